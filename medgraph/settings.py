@@ -1,0 +1,48 @@
+"""Platform settings, read from the environment in one place (see DESIGN.md "Settings")."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+PROFILES = ("tiny", "demo", "full")
+
+
+@dataclass(frozen=True)
+class Settings:
+    home: Path
+    umls_dir: str | None
+    profile: str
+    encoder: str
+    llm: str
+    mlflow_tracking_uri: str
+
+    @property
+    def warehouse_path(self) -> Path:
+        return self.home / "warehouse.duckdb"
+
+    @property
+    def lake_root(self) -> Path:
+        return self.home / "lake"
+
+    @property
+    def sample_release_dir(self) -> Path:
+        return self.home / "sample_release" / self.profile
+
+
+def load_settings(env: dict[str, str] | None = None) -> Settings:
+    """Settings from `env` (default: the process environment), with DESIGN.md defaults."""
+    env = os.environ if env is None else env
+    home = Path(env.get("MEDGRAPH_HOME") or "./.medgraph").expanduser().resolve()
+    profile = env.get("MEDGRAPH_PROFILE") or "demo"
+    if profile not in PROFILES:
+        raise ValueError(f"MEDGRAPH_PROFILE must be one of {', '.join(PROFILES)}, got {profile!r}")
+    return Settings(
+        home=home,
+        umls_dir=env.get("MEDGRAPH_UMLS_DIR") or None,
+        profile=profile,
+        encoder=env.get("MEDGRAPH_ENCODER") or "minilm",
+        llm=env.get("MEDGRAPH_LLM") or "smollm2-135m-instruct",
+        mlflow_tracking_uri=env.get("MLFLOW_TRACKING_URI") or f"sqlite:///{home / 'mlflow.db'}",
+    )

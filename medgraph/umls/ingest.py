@@ -1,0 +1,260 @@
+"""RRF -> zstd Parquet in the lake -> views in the warehouse, with validation and filters.
+
+Each file is read twice by DuckDB's parallel CSV reader with an explicit column
+layout (no sniffing, `|` delimiter, no quoting): a first pass that validates
+every row and counts what each filter keeps, and a second that streams the
+kept rows into Parquet. Both passes are cheap next to the Parquet encoding and
+memory stays bounded by DuckDB's streaming execution, whatever the file size.
+"""
+
+from __future__ import annotations
+
+import gzip
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import duckdb
+
+from medgraph.storage import Lake, Warehouse, quote_ident, sql_literal
+from medgraph.umls.filters import IngestFilters
+from medgraph.umls.release import RrfSource, rrf_source
+from medgraph.umls.schema import INTEGER_COLUMNS, MRSAB, RrfLayout, layout as layout_named
+
+log = logging.getLogger(__name__)
+
+SCHEMA = "umls"
+_TRAILING = "_trailing"  # the empty field after the last `|`; non-empty means a malformed row
+
+
+class RrfFormatError(ValueError):
+    """A row of an RRF file does not match its layout."""
+
+    def __init__(self, path: Path, line: int, message: str, rejected: int = 1):
+        self.path, self.line, self.rejected = path, line, rejected
+        more = f" ({rejected - 1} more malformed rows)" if rejected > 1 else ""
+        super().__init__(f"{path}:{line}: {message}{more}")
+
+
+@dataclass(frozen=True)
+class RejectedRow:
+    path: str
+    line: int
+    error: str
+    raw: str
+
+
+@dataclass
+class IngestStats:
+    """What one file's ingestion did; becomes Dagster metadata."""
+
+    table: str
+    files: list[str]
+    rows_in: int
+    kept_after: dict[str, int]
+    rows_out: int
+    rejected: int
+    bytes_in: int
+    parquet_bytes: int
+    seconds: float
+    parquet_path: str
+    filters: dict[str, str] = field(default_factory=dict)
+
+    def as_metadata(self) -> dict[str, object]:
+        metadata: dict[str, object] = {
+            "table": f"{SCHEMA}.{self.table}",
+            "rows_in": self.rows_in,
+            "rows_out": self.rows_out,
+            "rows_rejected": self.rejected,
+            "bytes_in": self.bytes_in,
+            "parquet_bytes": self.parquet_bytes,
+            "seconds": round(self.seconds, 3),
+            "rows_per_second": round(self.rows_in / self.seconds) if self.seconds > 0 else 0,
+            "parquet_path": self.parquet_path,
+            "source_files": ", ".join(self.files),
+        }
+        metadata.update({f"rows_kept_after_{name}": kept for name, kept in self.kept_after.items()})
+        metadata.update({f"filter_{name}": value for name, value in self.filters.items()})
+        return metadata
+
+
+def _read_csv_sql(source: RrfSource, rejects: bool) -> str:
+    integer_columns = INTEGER_COLUMNS.get(source.layout.name, frozenset())
+    columns = ", ".join(
+        f"{sql_literal(c)}: '{'INTEGER' if c in integer_columns else 'VARCHAR'}'" for c in source.layout.columns
+    )
+    files = "[" + ", ".join(sql_literal(str(p)) for p in source.paths) + "]"
+    # auto_detect=false: the layout is known, and sniffing could misread a file
+    # whose first rows are unusual. quote/escape '': RRF has no quoting and
+    # strings do contain `"`.
+    options = (
+        f"columns={{{columns}, '{_TRAILING}': 'VARCHAR'}}, delim='|', quote='', escape='', header=false, "
+        "auto_detect=false, new_line='\\n', encoding='utf-8'"
+    )
+    if rejects:
+        options += ", store_rejects=true, rejects_table='rrf_reject_errors', rejects_scan='rrf_reject_scans'"
+    return f"read_csv({files}, {options})"
+
+
+def _scratch_connection(warehouse: Warehouse) -> duckdb.DuckDBPyConnection:
+    """An in-memory DuckDB for the heavy lifting: it never holds the warehouse's write lock."""
+    spill = warehouse.lake.root / ".duckdb_tmp"
+    spill.mkdir(parents=True, exist_ok=True)
+    config = {"memory_limit": warehouse.memory_limit, "preserve_insertion_order": "false",
+              "temp_directory": str(spill)}
+    if warehouse.threads:
+        config["threads"] = str(warehouse.threads)
+    return duckdb.connect(":memory:", config=config)
+
+
+def _malformed_trailing_rows(source: RrfSource, limit: int) -> list[RejectedRow]:
+    """Rows with too many fields or no final `|`, which DuckDB accepts into the
+    trailing column; found by a plain scan, run only when such rows exist."""
+    expected = len(source.layout.columns)
+    found: list[RejectedRow] = []
+    for path in source.paths:
+        opener = gzip.open if path.suffix == ".gz" else open
+        with opener(path, "rt", encoding="utf-8", newline="\n") as handle:
+            for line_number, line in enumerate(handle, start=1):
+                row = line.rstrip("\n").rstrip("\r")
+                fields = row.count("|")
+                if fields == expected + 1 and row.endswith("|"):
+                    error = f"expected {expected} fields, found {fields}"
+                elif fields == expected and not row.endswith("|"):
+                    error = f"expected {expected} fields, found {fields + 1} (the row does not end with '|')"
+                else:
+                    continue
+                found.append(RejectedRow(str(path), line_number, error, row))
+                if len(found) >= limit:
+                    return found
+    return found
+
+
+def _reader_rejects(con: duckdb.DuckDBPyConnection, expected: int) -> list[RejectedRow]:
+    # DuckDB creates the rejects tables only once a scan has rejected something.
+    if not con.execute("SELECT count(*) FROM duckdb_tables() WHERE table_name = 'rrf_reject_errors'").fetchone()[0]:
+        return []
+    rows = con.execute(
+        """
+        SELECT s.file_path, e.line, e.error_type, e.column_name, e.error_message, e.csv_line
+        FROM rrf_reject_errors e JOIN rrf_reject_scans s USING (scan_id, file_id)
+        ORDER BY s.file_id, e.line
+        """
+    ).fetchall()
+    rejected: dict[tuple[str, int], RejectedRow] = {}
+    for path, line, error_type, column, message, raw in rows:
+        if (path, line) in rejected:  # DuckDB reports each surplus field of a row separately
+            continue
+        if error_type in ("MISSING COLUMNS", "TOO MANY COLUMNS"):
+            error = f"expected {expected} fields, found {raw.count('|')}"
+        else:
+            error = f"column {column}: {message}" if column else str(message)
+        rejected[(path, line)] = RejectedRow(path, int(line), error, raw)
+    return list(rejected.values())
+
+
+def restricted_sabs(release_dir: str | Path, max_srl: int) -> tuple[str, ...]:
+    """SABs whose source restriction level in MRSAB exceeds `max_srl`."""
+    source = rrf_source(release_dir, MRSAB)
+    with duckdb.connect() as con:
+        rows = con.execute(
+            f"SELECT DISTINCT RSAB FROM {_read_csv_sql(source, rejects=False)} WHERE SRL > ? ORDER BY 1", [max_srl]
+        ).fetchall()
+    return tuple(r[0] for r in rows)
+
+
+def ingest_rrf_file(
+    release_dir: str | Path,
+    rrf: RrfLayout | str,
+    warehouse: Warehouse,
+    filters: IngestFilters = IngestFilters(),
+    quarantine: bool = False,
+) -> IngestStats:
+    """Ingest one META file into `lake/umls/<table>.parquet` and the view `umls.<table>`.
+
+    A malformed row fails the whole file with its path, line and field counts,
+    unless `quarantine` is set: then malformed rows go to `umls.<table>_rejects`
+    and are counted. Either way the previous good table stays until the new one
+    is complete.
+    """
+    started = time.perf_counter()
+    layout = rrf if isinstance(rrf, RrfLayout) else layout_named(rrf)
+    source = rrf_source(release_dir, layout)
+    if filters.max_srl is not None and "SRL" not in layout.columns and not filters.restricted_sabs:
+        filters = IngestFilters(**{**filters.__dict__, "restricted_sabs": restricted_sabs(release_dir, filters.max_srl)})
+    predicates = filters.predicates(layout)
+    lake: Lake = warehouse.lake
+
+    with _scratch_connection(warehouse) as con:
+        # Pass 1: validate every row (typed columns included, so a bad integer
+        # is caught here) and count what each filter keeps.
+        kept_so_far = "TRUE"
+        counts = ["count(*)", f"count(*) FILTER (WHERE {_TRAILING} IS NOT NULL)"]
+        for _, condition in predicates:
+            kept_so_far = f"{kept_so_far} AND ({condition})"
+            counts.append(f"count(*) FILTER (WHERE {_TRAILING} IS NULL AND {kept_so_far})")
+        typed = [c for c in layout.columns if c in INTEGER_COLUMNS.get(layout.name, ())]
+        counts += [f"count({quote_ident(c)})" for c in typed]
+        totals = con.execute(f"SELECT {', '.join(counts)} FROM {_read_csv_sql(source, rejects=True)}").fetchone()
+        parsed, trailing_bad = totals[0], totals[1]
+        rejected = _reader_rejects(con, len(layout.columns))
+        if trailing_bad:
+            rejected += _malformed_trailing_rows(source, limit=trailing_bad)
+        rows_in = parsed + len(rejected) - trailing_bad
+        if rejected and not quarantine:
+            first = min(rejected, key=lambda r: (source.paths.index(Path(r.path)), r.line))
+            raise RrfFormatError(Path(first.path), first.line, first.error, rejected=len(rejected))
+        kept_after = {name: totals[2 + i] for i, (name, _) in enumerate(predicates)}
+        expected_out = kept_after[predicates[-1][0]] if predicates else parsed - trailing_bad
+
+        # Pass 2: stream the kept rows into a staging file beside the table.
+        staging = lake.staging_path(SCHEMA, layout.table)
+        try:
+            select_columns = ", ".join(quote_ident(c) for c in layout.columns)
+            where = " AND ".join([f"{_TRAILING} IS NULL"] + [f"({c})" for _, c in predicates])
+            written = con.execute(
+                f"COPY (SELECT {select_columns} FROM {_read_csv_sql(source, rejects=True)} WHERE {where}) "
+                f"TO {sql_literal(str(staging))} (FORMAT parquet, COMPRESSION zstd, ROW_GROUP_SIZE 122880)"
+            ).fetchone()[0]
+            if written != expected_out:
+                raise RuntimeError(f"{layout.filename}: wrote {written} rows, validation pass kept {expected_out}")
+            if quarantine:
+                _publish_rejects(con, lake, warehouse, layout, rejected)
+            final = lake.publish(staging, SCHEMA, layout.table)
+        except BaseException:
+            lake.discard(staging)
+            raise
+    warehouse.register_parquet_view(SCHEMA, layout.table, final)
+    stats = IngestStats(
+        table=layout.table,
+        files=[p.name for p in source.paths],
+        rows_in=rows_in,
+        kept_after=kept_after,
+        rows_out=written,
+        rejected=len(rejected),
+        bytes_in=source.bytes,
+        parquet_bytes=final.stat().st_size,
+        seconds=time.perf_counter() - started,
+        parquet_path=str(final),
+        filters=filters.as_metadata(),
+    )
+    log.info("%s: %d rows in, %d kept, %d rejected in %.1fs", layout.filename, rows_in, written, len(rejected), stats.seconds)
+    return stats
+
+
+def _publish_rejects(con: duckdb.DuckDBPyConnection, lake: Lake, warehouse: Warehouse,
+                     layout: RrfLayout, rejected: list[RejectedRow]) -> None:
+    """Write the quarantined rows (possibly none, replacing an older list) as `umls.<table>_rejects`."""
+    table = f"{layout.table}_rejects"
+    con.execute("CREATE OR REPLACE TEMP TABLE rejects (path VARCHAR, line BIGINT, error VARCHAR, raw VARCHAR)")
+    if rejected:
+        con.executemany("INSERT INTO rejects VALUES (?, ?, ?, ?)", [(r.path, r.line, r.error, r.raw) for r in rejected])
+    staging = lake.staging_path(SCHEMA, table)
+    try:
+        con.execute(f"COPY rejects TO {sql_literal(str(staging))} (FORMAT parquet, COMPRESSION zstd)")
+        final = lake.publish(staging, SCHEMA, table)
+    except BaseException:
+        lake.discard(staging)
+        raise
+    warehouse.register_parquet_view(SCHEMA, table, final)
