@@ -108,6 +108,13 @@ def _scratch_connection(warehouse: Warehouse) -> duckdb.DuckDBPyConnection:
     return duckdb.connect(":memory:", config=config)
 
 
+def _field_count_error(row: str, expected: int) -> str:
+    """'expected N fields, found M': fields are `|`-terminated; an unterminated last value counts too."""
+    if row.endswith("|"):
+        return f"expected {expected} fields, found {row.count('|')}"
+    return f"expected {expected} fields, found {row.count('|') + 1} (the row does not end with '|')"
+
+
 def _malformed_trailing_rows(source: RrfSource, limit: int) -> list[RejectedRow]:
     """Rows with too many fields or no final `|`, which DuckDB accepts into the
     trailing column; found by a plain scan, run only when such rows exist."""
@@ -119,13 +126,9 @@ def _malformed_trailing_rows(source: RrfSource, limit: int) -> list[RejectedRow]
             for line_number, line in enumerate(handle, start=1):
                 row = line.rstrip("\n").rstrip("\r")
                 fields = row.count("|")
-                if fields == expected + 1 and row.endswith("|"):
-                    error = f"expected {expected} fields, found {fields}"
-                elif fields == expected and not row.endswith("|"):
-                    error = f"expected {expected} fields, found {fields + 1} (the row does not end with '|')"
-                else:
+                if (fields, row.endswith("|")) not in ((expected + 1, True), (expected, False)):
                     continue
-                found.append(RejectedRow(str(path), line_number, error, row))
+                found.append(RejectedRow(str(path), line_number, _field_count_error(row, expected), row))
                 if len(found) >= limit:
                     return found
     return found
@@ -147,7 +150,7 @@ def _reader_rejects(con: duckdb.DuckDBPyConnection, expected: int) -> list[Rejec
         if (path, line) in rejected:  # DuckDB reports each surplus field of a row separately
             continue
         if error_type in ("MISSING COLUMNS", "TOO MANY COLUMNS"):
-            error = f"expected {expected} fields, found {raw.count('|')}"
+            error = _field_count_error(raw, expected)
         else:
             error = f"column {column}: {message}" if column else str(message)
         rejected[(path, line)] = RejectedRow(path, int(line), error, raw)
@@ -196,7 +199,8 @@ def ingest_rrf_file(
             counts.append(f"count(*) FILTER (WHERE {_TRAILING} IS NULL AND {kept_so_far})")
         typed = [c for c in layout.columns if c in INTEGER_COLUMNS.get(layout.name, ())]
         counts += [f"count({quote_ident(c)})" for c in typed]
-        totals = con.execute(f"SELECT {', '.join(counts)} FROM {_read_csv_sql(source, rejects=True)}").fetchone()
+        # fetchall, not fetchone: DuckDB writes the rejects tables when the result is exhausted.
+        totals = con.execute(f"SELECT {', '.join(counts)} FROM {_read_csv_sql(source, rejects=True)}").fetchall()[0]
         parsed, trailing_bad = totals[0], totals[1]
         rejected = _reader_rejects(con, len(layout.columns))
         if trailing_bad:
@@ -216,7 +220,7 @@ def ingest_rrf_file(
             written = con.execute(
                 f"COPY (SELECT {select_columns} FROM {_read_csv_sql(source, rejects=True)} WHERE {where}) "
                 f"TO {sql_literal(str(staging))} (FORMAT parquet, COMPRESSION zstd, ROW_GROUP_SIZE 122880)"
-            ).fetchone()[0]
+            ).fetchall()[0][0]
             if written != expected_out:
                 raise RuntimeError(f"{layout.filename}: wrote {written} rows, validation pass kept {expected_out}")
             if quarantine:

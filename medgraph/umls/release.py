@@ -94,3 +94,31 @@ def release_fingerprint(release_dir: str | Path, layouts: tuple[RrfLayout, ...] 
                     handle.seek(block * step)
                     digest.update(handle.read(_SAMPLE_BLOCK_BYTES))
     return digest.hexdigest()[:16]
+
+
+def ensure_sample_release(directory: str | Path, profile: str) -> Path:
+    """The generated sample release in `directory`, built on first use.
+
+    MRFILES.RRF is written last by the builder (the whole directory appears by
+    rename), so its presence means a complete release.
+    """
+    root = Path(directory)
+    if not (root / "MRFILES.RRF").is_file():
+        from medgraph.umls.sample_release import build_sample_release
+
+        build_sample_release(root, profile=profile)
+    return root
+
+
+def resolve_release_dir(umls_dir: str | None, sample_dir: str | Path, profile: str) -> Path:
+    """`MEDGRAPH_UMLS_DIR` when set, else the sample release for `profile`."""
+    if umls_dir:
+        root = Path(umls_dir).expanduser()
+        if not root.is_dir():
+            raise MissingRrfFileError(f"MEDGRAPH_UMLS_DIR={umls_dir} is not a directory (expected a UMLS META folder)")
+        return root
+    if profile == "full":
+        raise MissingRrfFileError(
+            "MEDGRAPH_PROFILE=full needs a real release: set MEDGRAPH_UMLS_DIR to a UMLS META directory"
+        )
+    return ensure_sample_release(sample_dir, profile)

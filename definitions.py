@@ -1,0 +1,18 @@
+"""The MedGraph code location: every asset, check, job, schedule and sensor, with resources
+configured from the environment (MEDGRAPH_HOME, MEDGRAPH_UMLS_DIR, MEDGRAPH_PROFILE, ...)."""
+
+import dagster as dg
+
+import jobs
+import sensors
+from platform_assets import umls
+from resources import build_resources
+
+defs = dg.Definitions.merge(
+    umls.defs,
+    jobs.defs,
+    sensors.defs,
+    # In-process by default: on a laptop the per-step process start costs more than it buys,
+    # and one process keeps DuckDB's single-writer lock uncontended. Deployments override it.
+    dg.Definitions(resources=build_resources(), executor=dg.in_process_executor),
+)

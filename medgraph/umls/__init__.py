@@ -1,0 +1,1 @@
+"""UMLS Metathesaurus releases: layouts, discovery, ingestion, checks, sample builder."""

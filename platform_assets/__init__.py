@@ -1,0 +1,1 @@
+"""Dagster assets, grouped by domain; each module is a thin layer over medgraph/."""

@@ -1,0 +1,5 @@
+"""Sensors: new UMLS release, registry alias changes (added as their assets land)."""
+
+import dagster as dg
+
+defs = dg.Definitions()

@@ -1,0 +1,70 @@
+"""Shared fixtures: temporary MEDGRAPH_HOME, small real-format releases, shared data paths."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+os.environ.setdefault("DAGSTER_DISABLE_TELEMETRY", "true")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from medgraph.storage import Lake, Warehouse  # noqa: E402
+from medgraph.umls.synthetic import write_synthetic_release  # noqa: E402
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+SHARED_DATA = REPO_ROOT.parent / "shared" / "data"
+
+
+@pytest.fixture(scope="session")
+def synthetic_release(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A small synthetic release (5k MRREL rows): a valid RRF directory that is not the sample."""
+    return write_synthetic_release(tmp_path_factory.mktemp("synthetic_release"), mrrel_rows=5_000)
+
+
+@pytest.fixture(scope="session")
+def tiny_release(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The generated sample release, `tiny` profile, built once per session."""
+    from medgraph.umls.sample_release import build_sample_release
+
+    out = tmp_path_factory.mktemp("tiny_release") / "META"
+    build_sample_release(out, profile="tiny")
+    return out
+
+
+@pytest.fixture
+def release_copy(synthetic_release: Path, tmp_path: Path) -> Path:
+    """A private, writable copy of the synthetic release (tests may break it)."""
+    return Path(shutil.copytree(synthetic_release, tmp_path / "release"))
+
+
+@pytest.fixture
+def medgraph_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    home = tmp_path / "home"
+    monkeypatch.setenv("MEDGRAPH_HOME", str(home))
+    monkeypatch.delenv("MEDGRAPH_UMLS_DIR", raising=False)
+    monkeypatch.setenv("MEDGRAPH_PROFILE", "tiny")
+    return home
+
+
+@pytest.fixture
+def warehouse(medgraph_home: Path) -> Warehouse:
+    return Warehouse(medgraph_home / "warehouse.duckdb", Lake(medgraph_home / "lake"))
+
+
+@pytest.fixture
+def umls_fixtures() -> Path:
+    path = SHARED_DATA / "umls_fixtures"
+    if not path.is_dir():
+        pytest.skip(f"shared UMLS fixtures not present at {path}")
+    return path
+
+
+def replace_line(path: Path, line: int, text: str) -> None:
+    """Overwrite 1-based `line` of a text file."""
+    lines = path.read_text(encoding="utf-8").splitlines(keepends=True)
+    lines[line - 1] = text + "\n"
+    path.write_text("".join(lines), encoding="utf-8")

@@ -1,0 +1,142 @@
+"""The umls/* assets in Dagster: in-process materialization, checks, observation, CLI."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import dagster as dg
+import pytest
+
+from conftest import REPO_ROOT, replace_line
+from platform_assets import umls
+from resources import UmlsReleaseResource, WarehouseResource
+
+SNAPSHOT = Path(__file__).parent / "snapshots" / "asset_specs.json"
+UMLS_KEYS = [dg.AssetKey(["umls", t]) for t in ("mrconso", "mrrel", "mrsty", "mrdef", "mrsab")]
+
+
+def resources_for(home: Path, release: Path) -> dict:
+    return {
+        "warehouse": WarehouseResource(home=str(home)),
+        "release": UmlsReleaseResource(home=str(home), umls_dir=str(release), profile="tiny"),
+    }
+
+
+def spec_snapshot(defs: dg.Definitions) -> dict:
+    graph = defs.resolve_asset_graph()
+    snapshot = {}
+    for key in sorted(graph.get_all_asset_keys(), key=lambda k: k.to_user_string()):
+        node = graph.get(key)
+        snapshot[key.to_user_string()] = {
+            "group": node.group_name,
+            "kinds": sorted(node.kinds),
+            "pools": sorted(node.pools or []),
+            "deps": sorted(k.to_user_string() for k in node.parent_keys),
+            "automation": node.automation_condition.get_label() if node.automation_condition else None,
+            "checks": sorted(c.name for c in node.check_keys),
+        }
+    return snapshot
+
+
+def test_asset_specs_match_snapshot():
+    """Keys, groups, kinds, pools, lineage and checks change only on purpose (UPDATE_SNAPSHOTS=1)."""
+    import definitions
+
+    current = spec_snapshot(definitions.defs)
+    if os.environ.get("UPDATE_SNAPSHOTS") == "1" or not SNAPSHOT.exists():
+        SNAPSHOT.write_text(json.dumps(current, indent=2, sort_keys=True) + "\n")
+    assert current == json.loads(SNAPSHOT.read_text())
+
+
+def test_materializing_umls_assets_fills_tables_and_passes_checks(medgraph_home: Path, release_copy: Path):
+    result = dg.materialize([*umls.umls_tables, *umls.umls_checks],
+                            resources=resources_for(medgraph_home, release_copy))
+    assert result.success
+    mrrel = result.asset_materializations_for_node("umls__mrrel")[0].metadata
+    assert mrrel["dagster/row_count"].value == mrrel["rows_out"].value > 0
+    assert mrrel["rows_kept_after_suppress"].value == mrrel["rows_out"].value
+    checks = {(c.asset_key.path[-1], c.check_name): c for c in result.get_asset_check_evaluations()}
+    assert len(checks) == 16
+    orphans = checks.pop(("mrrel", "cuis_present_in_mrconso"))
+    assert all(c.passed for c in checks.values()), [k for k, c in checks.items() if not c.passed]
+    # The synthetic release has Spanish-only concepts; the English filter leaves their relations orphaned.
+    warehouse = resources_for(medgraph_home, release_copy)["warehouse"].open()
+    with warehouse.connect(read_only=True) as con:
+        expected_orphans = con.execute(
+            "SELECT count(DISTINCT cui) FROM (SELECT CUI1 AS cui FROM umls.mrrel UNION ALL SELECT CUI2 FROM umls.mrrel) "
+            "WHERE cui NOT IN (SELECT CUI FROM umls.mrconso)").fetchone()[0]
+    assert expected_orphans > 0 and not orphans.passed
+    assert orphans.severity == dg.AssetCheckSeverity.WARN
+    assert orphans.metadata["orphan_cuis"].value == expected_orphans
+
+
+def test_identifier_check_fails_on_malformed_cui(medgraph_home: Path, release_copy: Path):
+    resources = resources_for(medgraph_home, release_copy)
+    path = release_copy / "MRSTY.RRF"
+    fields = path.read_text().splitlines()[0].split("|")
+    fields[0] = "X123"
+    replace_line(path, 1, "|".join(fields))
+    result = dg.materialize([*umls.umls_tables, *umls.umls_checks], resources=resources,
+                            selection=[dg.AssetKey(["umls", "mrsty"])], raise_on_error=False)
+    failed = {c.check_name: c for c in result.get_asset_check_evaluations() if not c.passed}
+    assert set(failed) == {"identifiers_well_formed"}
+    assert failed["identifiers_well_formed"].metadata["bad_CUI"].value == 1
+    assert failed["identifiers_well_formed"].metadata["example_bad_CUI"].value == "X123"
+
+
+def test_failed_materialization_leaves_previous_table(medgraph_home: Path, release_copy: Path):
+    resources = resources_for(medgraph_home, release_copy)
+    assert dg.materialize(umls.umls_tables, resources=resources, selection=[UMLS_KEYS[3]]).success
+    warehouse = resources["warehouse"].open()
+    before = warehouse.count("umls.mrdef")
+    replace_line(release_copy / "MRDEF.RRF", 4, "C0000004|A0000004|")
+    result = dg.materialize(umls.umls_tables, resources=resources, selection=[UMLS_KEYS[3]], raise_on_error=False)
+    assert not result.success
+    assert "MRDEF.RRF:4: expected 8 fields, found 2" in str(result.all_events)
+    assert warehouse.count("umls.mrdef") == before
+
+    quarantined = dg.materialize(
+        umls.umls_tables, resources=resources, selection=[UMLS_KEYS[3]],
+        run_config={"ops": {"umls__mrdef": {"config": {"quarantine_bad_rows": True}}}},
+    )
+    assert quarantined.success
+    assert quarantined.asset_materializations_for_node("umls__mrdef")[0].metadata["rows_rejected"].value == 1
+    assert warehouse.count("umls.mrdef_rejects") == 1
+
+
+def test_release_observation_data_version_is_the_content_fingerprint(medgraph_home: Path, release_copy: Path,
+                                                                    tmp_path: Path):
+    def observe(release: Path) -> str:
+        release_resource = resources_for(medgraph_home, release)["release"]
+        with dg.build_asset_context() as context:
+            return umls.umls_release.observe_fn(context, release=release_resource).data_version.value
+
+    first = observe(release_copy)
+    assert observe(release_copy) == first
+    replace_line(release_copy / "MRSAB.RRF", 1, (release_copy / "MRSAB.RRF").read_text().splitlines()[0].replace("2025", "2026"))
+    assert observe(release_copy) != first
+
+
+@pytest.mark.slow
+def test_cli_materializes_umls_assets_from_any_release(tmp_path: Path, synthetic_release: Path):
+    """Acceptance: `dagster asset materialize -m definitions` with MEDGRAPH_UMLS_DIR set."""
+    home = tmp_path / "home"
+    env = {**os.environ, "MEDGRAPH_HOME": str(home), "MEDGRAPH_UMLS_DIR": str(synthetic_release),
+           "DAGSTER_HOME": str(tmp_path / "dagster"), "MEDGRAPH_PROFILE": "tiny"}
+    (tmp_path / "dagster").mkdir()
+    dagster = Path(sys.executable).parent / "dagster"
+    proc = subprocess.run([str(dagster), "asset", "materialize", "-m", "definitions", "--select", "group:umls"],
+                          cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    import duckdb
+
+    with duckdb.connect(str(home / "warehouse.duckdb"), read_only=True) as con:
+        counts = dict(con.execute(
+            "SELECT table_name, 1 FROM information_schema.tables WHERE table_schema = 'umls'").fetchall())
+        assert set(counts) == {"mrconso", "mrrel", "mrsty", "mrdef", "mrsab"}
+        english = con.execute("SELECT count(*) FROM umls.mrconso WHERE LAT <> 'ENG'").fetchone()[0]
+    assert english == 0
