@@ -30,7 +30,12 @@ $(VENV)/.installed: pyproject.toml | $(BIN)/python
 	$(BIN)/pip install --quiet -e '.[dev]' $(PIP_QUIET)
 	touch $@
 
-install: $(VENV)/.installed
+# dagster-dbt reads dbt/target/manifest.json when the definitions load.
+DBT_SOURCES := $(shell find dbt/models dbt/macros dbt/seeds -type f 2>/dev/null) dbt/dbt_project.yml dbt/profiles.yml
+dbt/target/manifest.json: $(VENV)/.installed $(DBT_SOURCES)
+	$(BIN)/python -c "from platform_assets.dbt_project import prepare_manifest; prepare_manifest()"
+
+install: $(VENV)/.installed dbt/target/manifest.json
 
 $(DAGSTER_HOME)/dagster.yaml: deploy/local/dagster.yaml
 	mkdir -p $(DAGSTER_HOME)

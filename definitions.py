@@ -5,11 +5,12 @@ import dagster as dg
 
 import jobs
 import sensors
-from platform_assets import umls
+from platform_assets import kg, umls
 from resources import build_resources
 
 defs = dg.Definitions.merge(
     umls.defs,
+    kg.defs,
     jobs.defs,
     sensors.defs,
     # In-process by default: on a laptop the per-step process start costs more than it buys,

@@ -50,7 +50,12 @@ def build_resources(settings: Settings | None = None) -> dict[str, dg.Configurab
     """The resources of the code location, configured from the environment (DESIGN.md "Settings")."""
     settings = settings or load_settings()
     home = str(settings.home)
+    from dagster_dbt import DbtCliResource
+
+    from platform_assets.dbt_project import DBT_EXECUTABLE, dbt_project
+
     return {
         "warehouse": WarehouseResource(home=home),
+        "dbt": DbtCliResource(project_dir=dbt_project, dbt_executable=DBT_EXECUTABLE),
         "release": UmlsReleaseResource(home=home, umls_dir=settings.umls_dir, profile=settings.profile),
     }

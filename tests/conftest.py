@@ -19,6 +19,13 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 SHARED_DATA = REPO_ROOT.parent / "shared" / "data"
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """dagster-dbt needs a current dbt manifest before any module defining dbt assets is imported."""
+    from platform_assets.dbt_project import prepare_manifest
+
+    prepare_manifest()
+
+
 @pytest.fixture(scope="session")
 def synthetic_release(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A small synthetic release (5k MRREL rows): a valid RRF directory that is not the sample."""
@@ -68,3 +75,52 @@ def replace_line(path: Path, line: int, text: str) -> None:
     lines = path.read_text(encoding="utf-8").splitlines(keepends=True)
     lines[line - 1] = text + "\n"
     path.write_text("".join(lines), encoding="utf-8")
+
+
+DBT_PROJECT_DIR = REPO_ROOT / "dbt"
+
+
+def run_dbt(home: Path, *args: str) -> None:
+    """Run the real dbt CLI on the project against the warehouse under `home`."""
+    from dbt.cli.main import dbtRunner
+
+    previous = os.environ.get("MEDGRAPH_HOME")
+    os.environ["MEDGRAPH_HOME"] = str(home)
+    try:
+        result = dbtRunner().invoke([*args, "--project-dir", str(DBT_PROJECT_DIR),
+                                     "--profiles-dir", str(DBT_PROJECT_DIR), "--quiet"])
+    finally:
+        if previous is None:
+            os.environ.pop("MEDGRAPH_HOME", None)
+        else:
+            os.environ["MEDGRAPH_HOME"] = previous
+    if not result.success:
+        raise RuntimeError(f"dbt {' '.join(args)} failed: {result.exception}")
+
+
+def ingest_release(release: Path, warehouse: Warehouse) -> None:
+    from medgraph.umls.ingest import ingest_rrf_file
+    from medgraph.umls.schema import INGESTED
+
+    for layout in INGESTED:
+        ingest_rrf_file(release, layout, warehouse)
+
+
+@pytest.fixture(scope="session")
+def kg_warehouse(tiny_release: Path, tmp_path_factory: pytest.TempPathFactory) -> Warehouse:
+    """A warehouse with `umls.*` ingested from the tiny sample release and the dbt KG marts
+    (`kg.kg_nodes`, `kg.kg_edges`, `kg.kg_node_text`, `kg.kg_relations`) built. Treat as read-only;
+    copy it (`copy_warehouse`) to modify."""
+    home = tmp_path_factory.mktemp("kg_home")
+    warehouse = Warehouse(home / "warehouse.duckdb", Lake(home / "lake"))
+    ingest_release(tiny_release, warehouse)
+    run_dbt(home, "build")
+    return warehouse
+
+
+def copy_warehouse(warehouse: Warehouse, home: Path) -> Warehouse:
+    """A private copy of a warehouse and its lake (the umls views point at the original lake files)."""
+    home.mkdir(parents=True, exist_ok=True)
+    shutil.copy2(warehouse.path, home / "warehouse.duckdb")
+    shutil.copytree(warehouse.lake.root, home / "lake")
+    return Warehouse(home / "warehouse.duckdb", Lake(home / "lake"))
