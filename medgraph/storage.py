@@ -66,18 +66,22 @@ class Warehouse:
     memory_limit: str = "2GB"
     threads: int | None = None
 
-    @contextmanager
-    def connect(self, read_only: bool = False) -> Iterator[duckdb.DuckDBPyConnection]:
+    def open(self, read_only: bool = False) -> duckdb.DuckDBPyConnection:
+        """A connection the caller closes (long-lived readers). Every connection of this
+        process uses the same configuration, as DuckDB requires for one database file."""
         self.path.parent.mkdir(parents=True, exist_ok=True)
         deadline = time.monotonic() + _LOCK_WAIT_SECONDS
         while True:
             try:
-                con = duckdb.connect(str(self.path), read_only=read_only, config=self._config())
-                break
+                return duckdb.connect(str(self.path), read_only=read_only, config=self._config())
             except duckdb.IOException as error:
                 if "lock" not in str(error).lower() or time.monotonic() > deadline:
                     raise
                 time.sleep(0.25)
+
+    @contextmanager
+    def connect(self, read_only: bool = False) -> Iterator[duckdb.DuckDBPyConnection]:
+        con = self.open(read_only)
         try:
             yield con
         finally:

@@ -81,21 +81,22 @@ DBT_PROJECT_DIR = REPO_ROOT / "dbt"
 
 
 def run_dbt(home: Path, *args: str) -> None:
-    """Run the real dbt CLI on the project against the warehouse under `home`."""
-    from dbt.cli.main import dbtRunner
+    """Run the real dbt CLI on the project against the warehouse under `home`.
 
-    previous = os.environ.get("MEDGRAPH_HOME")
-    os.environ["MEDGRAPH_HOME"] = str(home)
-    try:
-        result = dbtRunner().invoke([*args, "--project-dir", str(DBT_PROJECT_DIR),
-                                     "--profiles-dir", str(DBT_PROJECT_DIR), "--quiet"])
-    finally:
-        if previous is None:
-            os.environ.pop("MEDGRAPH_HOME", None)
-        else:
-            os.environ["MEDGRAPH_HOME"] = previous
-    if not result.success:
-        raise RuntimeError(f"dbt {' '.join(args)} failed: {result.exception}")
+    In a subprocess, as dagster-dbt does: dbt-duckdb keeps its connection open
+    in-process, which would block the read-only connections tests open later.
+    """
+    import subprocess
+    import sys
+
+    dbt = Path(sys.executable).parent / "dbt"
+    proc = subprocess.run(
+        [str(dbt), *args, "--project-dir", str(DBT_PROJECT_DIR), "--profiles-dir", str(DBT_PROJECT_DIR),
+         "--vars", f'{{"warehouse_path": "{home / "warehouse.duckdb"}"}}'],
+        capture_output=True, text=True,
+    )
+    if proc.returncode != 0:
+        raise RuntimeError(f"dbt {' '.join(args)} failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-2000:]}")
 
 
 def ingest_release(release: Path, warehouse: Warehouse) -> None:

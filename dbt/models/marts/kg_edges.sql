@@ -25,3 +25,5 @@ from relations
 where src_cui in (select cui from nodes)
   and dst_cui in (select cui from nodes)
 group by src_cui, rel, rela, dst_cui
+-- Sorted by source so one-hop lookups touch few row groups (zone-map pruning).
+order by src_cui, relation, dst_cui

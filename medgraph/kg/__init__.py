@@ -1,0 +1,1 @@
+"""Knowledge-graph access on DuckDB: lookup, one-hop, expansion; KG-derived QA."""
