@@ -20,6 +20,34 @@ def _cmd_sample_release(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_status(args: argparse.Namespace) -> int:
+    """Where the platform's state is and what it holds (printed at the end of `make demo`)."""
+    from medgraph.settings import load_settings
+    from medgraph.storage import Lake, Warehouse
+
+    settings = load_settings()
+    warehouse = Warehouse(settings.warehouse_path, Lake(settings.lake_root))
+    print(f"MEDGRAPH_HOME      {settings.home}")
+    print(f"UMLS release       {settings.umls_dir or settings.sample_release_dir} "
+          f"({'MEDGRAPH_UMLS_DIR' if settings.umls_dir else 'sample, profile ' + settings.profile})")
+    print(f"warehouse          {warehouse.path}")
+    if not warehouse.path.exists():
+        print("                   (not built yet: run `make demo`)")
+        return 1
+    with warehouse.connect(read_only=True) as con:
+        tables = con.execute(
+            "SELECT table_schema, table_name FROM information_schema.tables "
+            "WHERE table_schema NOT IN ('information_schema', 'pg_catalog') AND table_schema NOT LIKE 'fts_%' "
+            "ORDER BY 1, 2").fetchall()
+        for schema, table in tables:
+            rows = con.execute(f'SELECT count(*) FROM "{schema}"."{table}"').fetchone()[0]
+            print(f"  {schema + '.' + table:<40}{rows:>12,} rows")
+    print(f"lake               {settings.lake_root}")
+    print(f"MLflow             {settings.mlflow_tracking_uri}")
+    print("Dagster UI         make ui   (then open http://127.0.0.1:3000)")
+    return 0
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="medgraph", description="MedGraph: UMLS knowledge graph and GraphRAG.")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -30,6 +58,9 @@ def _parser() -> argparse.ArgumentParser:
     sample.add_argument("--profile", choices=("tiny", "demo"), default="tiny",
                         help="tiny: ~2.7k concepts for tests; demo: ~50k concepts (default: tiny)")
     sample.set_defaults(handler=_cmd_sample_release)
+
+    status = commands.add_parser("status", help="show where the state is (MEDGRAPH_HOME) and the tables it holds")
+    status.set_defaults(handler=_cmd_status)
     return parser
 
 
