@@ -125,3 +125,21 @@ def copy_warehouse(warehouse: Warehouse, home: Path) -> Warehouse:
     shutil.copy2(warehouse.path, home / "warehouse.duckdb")
     shutil.copytree(warehouse.lake.root, home / "lake")
     return Warehouse(home / "warehouse.duckdb", Lake(home / "lake"))
+
+
+@pytest.fixture(scope="session")
+def _mlflow_template(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """An empty, migrated MLflow SQLite database (migrations take seconds; copying takes none)."""
+    from mlflow import MlflowClient
+
+    path = tmp_path_factory.mktemp("mlflow_template") / "mlflow.db"
+    MlflowClient(tracking_uri=f"sqlite:///{path}").search_experiments()
+    return path
+
+
+@pytest.fixture
+def mlflow_db(_mlflow_template: Path, tmp_path: Path) -> Path:
+    """A fresh MLflow SQLite tracking + registry database for one test."""
+    path = tmp_path / "mlflow.db"
+    shutil.copy2(_mlflow_template, path)
+    return path
