@@ -1,0 +1,1089 @@
+"""Question-answer items generated from the knowledge graph, with verifiable answers and gold paths.
+
+Why: Graph-R1's GRPO reward needs questions whose answers a program can check,
+and A2RAG's threshold is tuned on a validation split; the KG provides both for
+free. Every item is read off edges of `kg.kg_edges`, so the answer is true by
+construction and the edges that make it true are stored as its gold path.
+Every wrong option and every "no" is checked against the graph: the concept is
+not linked to the question entity at all, and it is neither an ancestor nor a
+descendant (through `isa`/CHD edges) of a correct answer, so it cannot be
+right "by inheritance" either.
+
+Question types (dataset names in the MIRAGE files in brackets):
+    mc          [kgqa_mc]    "Which of the following may treat <disease>?": one correct
+                             concept and three distractors of the same semantic type,
+                             siblings of the answer first
+    yesno       [kgqa_yesno] "Is <phenotype> a manifestation of <disease>?", alternating
+                             yes (an edge) and no (a verified non-edge)
+    short_1hop  [kgqa_short] "What is the mechanism of action of <drug>?"
+    short_2hop  [kgqa_short] chains, "Which drug may treat a condition with <phenotype> as a
+                             manifestation?", and intersections, "What has <phenotype> as a
+                             manifestation and is associated with the gene <gene>?"
+Short answers keep every correct concept's names and synonyms for F1/EM scoring.
+
+Relation names are data: `RELATION_PHRASES` words the relations we know (those
+of the sample release and a few common UMLS RELAs) and anything else gets a
+generic phrasing from its name. Relations that a question words the same way
+(disease_has_associated_gene and phenotype_has_associated_gene both read "Which
+gene is associated with X?") share their answers, and a statement is asked once
+whichever direction it was found in. Questions about hubs (many neighbours) and
+short answers with more than a few correct concepts are skipped, because they
+cannot be scored meaningfully.
+
+Splits come from a hash of the question id, never from a random draw, and the
+qid is a hash of what a question asks (type, relations, question entities; the
+object too for yes/no). The same question therefore lands in the same split
+whatever the seed, and a seed only changes which questions are sampled (and
+the options of a multiple-choice question).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import random
+import time
+import uuid
+from collections import Counter, defaultdict
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from medgraph.kg.graph import NORMALIZE_SQL
+from medgraph.storage import Warehouse
+
+log = logging.getLogger(__name__)
+
+SCHEMA = "qa"
+TABLE = "qa_items"
+QUESTION_TYPES = ("mc", "yesno", "short_1hop", "short_2hop")
+DATASET_OF_TYPE = {"mc": "kgqa_mc", "yesno": "kgqa_yesno", "short_1hop": "kgqa_short", "short_2hop": "kgqa_short"}
+SPLIT_NAMES = ("train", "validation", "test")
+OPTION_LETTERS = ("A", "B", "C", "D")
+YES_NO_OPTIONS = {"A": "yes", "B": "no"}
+
+Edge = tuple[str, str, str]  # (src_cui, relation, dst_cui)
+
+
+# --------------------------------------------------------------------------- relation phrasing
+
+
+@dataclass(frozen=True)
+class RelationPhrases:
+    """English for an edge `subject -relation-> object`; `{subject}`/`{object}` are concept names.
+
+    `via` names the objects as a noun phrase so that a second hop can be asked
+    about them ("a drug that may treat X"); `clause` is a predicate about the
+    subject, so that two constraints can be joined ("may be treated with X").
+    """
+
+    mc: str  # asks for the object: "Which of the following may treat {subject}?"
+    short: str  # asks for the object, open-ended; never starts with {subject}
+    yesno: str  # asks whether the edge holds
+    via: str
+    clause: str
+    described: str = ""  # `short` for a subject that is a description, not a name ("the gene {subject}")
+
+    def short_about(self, subject: str, described: bool = False) -> str:
+        return self.form("described" if described else "short").format(subject=subject)
+
+    def form(self, name: str) -> str:
+        """One phrase by field name; "described" falls back to `short`."""
+        return (self.described or self.short) if name == "described" else getattr(self, name)
+
+
+def _phrases(mc: str, short: str, yesno: str, via: str, clause: str, described: str = "") -> RelationPhrases:
+    return RelationPhrases(mc, short, yesno, via, clause, described)
+
+
+RELATION_PHRASES: dict[str, RelationPhrases] = {
+    # Hierarchy: `isa` is a RELA; child_of/parent_of are the labels of a bare CHD/PAR.
+    "isa": _phrases("{subject} is a kind of which of the following?", "What is {subject} a kind of?",
+                    "Is {subject} a kind of {object}?", "a broader category of {subject}", "is a kind of {object}",
+                    described="What broader category does {subject} belong to?"),
+    "inverse_isa": _phrases("Which of the following is a kind of {subject}?", "What is a specific kind of {subject}?",
+                            "Is {object} a kind of {subject}?", "a specific kind of {subject}",
+                            "has {object} as a specific kind"),
+    "has_manifestation": _phrases(
+        "Which of the following is a manifestation of {subject}?", "What is a manifestation of {subject}?",
+        "Is {object} a manifestation of {subject}?", "a manifestation of {subject}",
+        "has {object} as a manifestation"),
+    "manifestation_of": _phrases(
+        "{subject} is a manifestation of which of the following?",
+        "What condition has {subject} as a manifestation?", "Is {subject} a manifestation of {object}?",
+        "a condition with {subject} as a manifestation", "is a manifestation of {object}"),
+    "gene_associated_with_disease": _phrases(
+        "Which of the following is associated with the gene {subject}?",
+        "Which disease is associated with the gene {subject}?", "Is the gene {subject} associated with {object}?",
+        "a disease associated with the gene {subject}", "is a gene associated with {object}",
+        described="Which disease is associated with {subject}?"),
+    "disease_has_associated_gene": _phrases(
+        "Which of the following genes is associated with {subject}?", "Which gene is associated with {subject}?",
+        "Is the gene {object} associated with {subject}?", "a gene associated with {subject}",
+        "is associated with the gene {object}"),
+    "gene_associated_with_phenotype": _phrases(
+        "Which of the following is associated with the gene {subject}?",
+        "Which phenotype is associated with the gene {subject}?", "Is the gene {subject} associated with {object}?",
+        "a phenotype associated with the gene {subject}", "is a gene associated with {object}",
+        described="Which phenotype is associated with {subject}?"),
+    "phenotype_has_associated_gene": _phrases(
+        "Which of the following genes is associated with {subject}?", "Which gene is associated with {subject}?",
+        "Is the gene {object} associated with {subject}?", "a gene associated with {subject}",
+        "is associated with the gene {object}"),
+    "may_treat": _phrases(
+        "Which of the following may be treated with {subject}?", "What condition may {subject} treat?",
+        "May {subject} be used to treat {object}?", "a condition that {subject} may treat", "may treat {object}"),
+    "may_be_treated_by": _phrases(
+        "Which of the following may treat {subject}?", "Which drug may treat {subject}?",
+        "May {object} be used to treat {subject}?", "a drug that may treat {subject}",
+        "may be treated with {object}"),
+    "may_prevent": _phrases(
+        "Which of the following may be prevented with {subject}?", "What condition may {subject} prevent?",
+        "May {subject} be used to prevent {object}?", "a condition that {subject} may prevent",
+        "may prevent {object}"),
+    "may_be_prevented_by": _phrases(
+        "Which of the following may prevent {subject}?", "Which drug may prevent {subject}?",
+        "May {object} be used to prevent {subject}?", "a drug that may prevent {subject}",
+        "may be prevented with {object}"),
+    "has_mechanism_of_action": _phrases(
+        "Which of the following is the mechanism of action of {subject}?",
+        "What is the mechanism of action of {subject}?", "Is {object} a mechanism of action of {subject}?",
+        "the mechanism of action of {subject}", "has the mechanism of action {object}"),
+    "mechanism_of_action_of": _phrases(
+        "Which of the following has the mechanism of action {subject}?",
+        "Which drug has the mechanism of action {subject}?", "Does {object} have the mechanism of action {subject}?",
+        "a drug with the mechanism of action {subject}", "is the mechanism of action of {object}"),
+    "contraindicated_with_disease": _phrases(
+        "In which of the following is {subject} contraindicated?", "In which condition is {subject} contraindicated?",
+        "Is {subject} contraindicated in {object}?", "a condition in which {subject} is contraindicated",
+        "is contraindicated in {object}"),
+    "has_contraindicated_drug": _phrases(
+        "Which of the following is contraindicated in {subject}?", "Which drug is contraindicated in {subject}?",
+        "Is {object} contraindicated in {subject}?", "a drug contraindicated in {subject}",
+        "is a condition in which {object} is contraindicated"),
+    # Common RELAs of a real release.
+    "has_finding_site": _phrases(
+        "Which of the following is the finding site of {subject}?", "What is the finding site of {subject}?",
+        "Is {object} the finding site of {subject}?", "the finding site of {subject}",
+        "has the finding site {object}"),
+    "finding_site_of": _phrases(
+        "Which of the following has {subject} as its finding site?",
+        "What condition has {subject} as its finding site?", "Is {subject} the finding site of {object}?",
+        "a condition with {subject} as its finding site", "is the finding site of {object}"),
+    "has_causative_agent": _phrases(
+        "Which of the following is a causative agent of {subject}?", "What is a causative agent of {subject}?",
+        "Is {object} a causative agent of {subject}?", "a causative agent of {subject}",
+        "has the causative agent {object}"),
+    "causative_agent_of": _phrases(
+        "Which of the following is caused by {subject}?", "What is caused by {subject}?",
+        "Is {subject} a causative agent of {object}?", "a condition caused by {subject}",
+        "is a causative agent of {object}"),
+}
+for _child, _parent in (("child_of", "isa"), ("parent_of", "inverse_isa")):
+    RELATION_PHRASES[_child] = RELATION_PHRASES[_parent]
+
+# Relations that say too little to ask about (labels of the coarse RELs without a RELA).
+UNINFORMATIVE_RELATIONS = frozenset({
+    "related_to", "sibling_of", "possibly_synonymous_with", "related_unspecified", "not_related", "deleted",
+    "allowed_qualifier_of", "can_be_qualified_by", "synonym_of", "similar_to",
+})
+
+
+def relation_phrases(relation: str) -> RelationPhrases:
+    """The phrasing of a known relation, else a generic one built from its name."""
+    known = RELATION_PHRASES.get(relation)
+    if known is not None:
+        return known
+    words = relation.replace("_", " ").strip().replace("{", "{{").replace("}", "}}")
+    return _phrases(
+        f'Which of the following completes the statement "{{subject}} {words} ___"?',
+        f'What completes the statement "{{subject}} {words} ___"?',
+        f"Is it true that {{subject}} {words} {{object}}?",
+        f"what {{subject}} {words}",
+        f"{words} {{object}}",
+    )
+
+
+@dataclass(frozen=True)
+class QaLimits:
+    """What makes a question worth asking."""
+
+    max_answers: int = 3  # a short answer (and a 2-hop bridge set) has at most this many correct concepts
+    max_degree: int = 50  # a question entity or bridge with more distinct neighbours is a hub: skipped
+    skip_relations: frozenset[str] = UNINFORMATIVE_RELATIONS
+    # Siblings of the answer make the most plausible distractors, and the riskiest: the KG may
+    # simply not list a sibling that is also true (heparin treats more thromboses than it names).
+    sibling_distractors: bool = True
+
+
+# --------------------------------------------------------------------------- the graph in memory
+
+
+@dataclass
+class _Graph:
+    """The parts of `kg.*` the generator walks: adjacency by relation, names, types, hierarchy."""
+
+    names: dict[str, str]
+    synonyms: dict[str, tuple[str, ...]]
+    normalized_names: dict[str, frozenset[str]]  # every name of a concept, normalized
+    tuis: dict[str, tuple[str, ...]]
+    ambiguous: frozenset[str]  # concepts whose preferred name is also a name of another concept
+    out: dict[str, dict[str, tuple[str, ...]]]  # src -> relation -> dsts (sorted)
+    into: dict[str, dict[str, tuple[str, ...]]]  # dst -> relation -> srcs (sorted)
+    neighbours: dict[str, frozenset[str]]  # both directions, any relation
+    parents: dict[str, tuple[str, ...]]  # CHD edges: src is a child of dst
+    children: dict[str, tuple[str, ...]]
+    inverse: dict[str, str]  # relation -> the relation its edges are listed under in reverse
+    hierarchical: frozenset[str]  # relations whose edges are all PAR/CHD/RB/RN (isa, inverse_isa, ...)
+    relations: tuple[str, ...]
+    by_tui: dict[str, list[str]]
+    range_by_tui: dict[tuple[str, str], list[str]]  # (relation, tui) -> objects of that relation
+    limits: QaLimits
+    _ancestors: dict[str, frozenset[str]] = field(default_factory=dict)
+    _alike: dict[tuple[str, str], tuple[str, ...]] = field(default_factory=dict)
+
+    def objects(self, subject: str, relation: str) -> tuple[str, ...]:
+        return self.out.get(subject, {}).get(relation, ())
+
+    def subjects(self, obj: str, relation: str) -> tuple[str, ...]:
+        return self.into.get(obj, {}).get(relation, ())
+
+    def worded_alike(self, relation: str, form: str) -> tuple[str, ...]:
+        """The relations whose `form` phrase reads exactly like `relation`'s (itself included).
+
+        A question worded that way is answered by all of them: "Which gene is
+        associated with Asthma?" asks about disease_has_associated_gene and
+        phenotype_has_associated_gene alike when Asthma is both.
+        """
+        key = (relation, form)
+        if key not in self._alike:
+            text = relation_phrases(relation).form(form)
+            self._alike[key] = tuple(r for r in self.relations if relation_phrases(r).form(form) == text) or (
+                relation,)
+        return self._alike[key]
+
+    def canonical(self, relation: str, form: str) -> str:
+        """One name for the relations worded alike, so that a fact has one qid."""
+        return min(self.worded_alike(relation, form))
+
+    def relation_between(self, src: str, dst: str, candidates: Iterable[str]) -> str | None:
+        """The first of `candidates` that has the edge src -> dst."""
+        return next((r for r in candidates if dst in self.objects(src, r)), None)
+
+    def objects_worded(self, subject: str, relation: str, form: str) -> set[str]:
+        """Objects of `subject` under every relation worded like `relation` in `form`."""
+        return {o for r in self.worded_alike(relation, form) for o in self.objects(subject, r)}
+
+    def subjects_worded(self, obj: str, relation: str, form: str) -> set[str]:
+        return {s for r in self.worded_alike(relation, form) for s in self.subjects(obj, r)}
+
+    def usable_relation(self, relation: str) -> bool:
+        return relation not in self.limits.skip_relations
+
+    def oriented(self, subject: str, relation: str, obj: str) -> Edge:
+        """One orientation per statement: the reverse edge when the relation's inverse sorts
+        first and the reverse is an edge (or neither is, for a statement that is false)."""
+        inverse = self.inverse.get(relation)
+        if inverse is not None and inverse < relation and (
+                subject in self.objects(obj, inverse) or obj not in self.objects(subject, relation)):
+            return obj, inverse, subject
+        return subject, relation, obj
+
+    def both_hierarchical(self, first: str, second: str) -> bool:
+        """Two hierarchy steps make a transitive or sibling question, not a 2-hop one worth asking."""
+        return first in self.hierarchical and second in self.hierarchical
+
+    def is_hub(self, cui: str) -> bool:
+        return len(self.neighbours.get(cui, ())) > self.limits.max_degree
+
+    def can_be_named(self, cui: str) -> bool:
+        """A concept a question can mention (or offer as an option) by its preferred name alone."""
+        return cui in self.names and cui not in self.ambiguous
+
+    def is_seed(self, cui: str) -> bool:
+        return self.can_be_named(cui) and not self.is_hub(cui)
+
+    def ancestors(self, cui: str) -> frozenset[str]:
+        cached = self._ancestors.get(cui)
+        if cached is None:
+            seen: set[str] = set()
+            stack = list(self.parents.get(cui, ()))
+            while stack:
+                parent = stack.pop()
+                if parent not in seen:
+                    seen.add(parent)
+                    stack.extend(self.parents.get(parent, ()))
+            cached = self._ancestors[cui] = frozenset(seen)
+        return cached
+
+    def in_lineage(self, a: str, b: str) -> bool:
+        """True when one concept is an ancestor of the other."""
+        return a in self.ancestors(b) or b in self.ancestors(a)
+
+    def siblings(self, cui: str) -> list[str]:
+        return sorted({c for p in self.parents.get(cui, ()) for c in self.children.get(p, ()) if c != cui})
+
+    def answer_names(self, cuis: Iterable[str]) -> tuple[str, ...]:
+        """Preferred names, then synonyms, of each concept; each string once."""
+        names: dict[str, None] = {}
+        for cui in cuis:
+            names.setdefault(self.names[cui], None)
+            for synonym in self.synonyms.get(cui, ()):
+                names.setdefault(synonym, None)
+        return tuple(names)
+
+
+def _load_graph(warehouse: Warehouse, limits: QaLimits) -> _Graph:
+    """Read `kg.kg_nodes` and `kg.kg_edges` into dictionaries (about 1 s per 100k edges)."""
+    normalize = NORMALIZE_SQL
+    with warehouse.connect(read_only=True) as con:
+        nodes = con.execute(
+            f"""
+            SELECT cui, preferred_name, coalesce(synonyms, []), coalesce(tuis, []),
+                   {normalize.format('preferred_name')},
+                   list_transform(list_prepend(preferred_name, coalesce(synonyms, [])),
+                                  x -> {normalize.format('x')})
+            FROM kg.kg_nodes ORDER BY cui
+            """
+        ).fetchall()
+        adjacency = con.execute(
+            "SELECT src_cui, relation, list(DISTINCT dst_cui ORDER BY dst_cui) FROM kg.kg_edges "
+            "WHERE src_cui <> dst_cui GROUP BY ALL ORDER BY ALL"
+        ).fetchall()
+        hierarchy = con.execute(
+            "SELECT src_cui, list(DISTINCT dst_cui ORDER BY dst_cui) FROM kg.kg_edges "
+            "WHERE rel = 'CHD' AND src_cui <> dst_cui GROUP BY ALL ORDER BY ALL"
+        ).fetchall()
+        typed_objects = con.execute(
+            """
+            SELECT e.relation, t.tui, list(DISTINCT e.dst_cui ORDER BY e.dst_cui)
+            FROM (SELECT DISTINCT relation, dst_cui FROM kg.kg_edges) e
+            JOIN (SELECT cui, unnest(tuis) AS tui FROM kg.kg_nodes) t ON t.cui = e.dst_cui
+            GROUP BY ALL ORDER BY ALL
+            """
+        ).fetchall()
+        relation_rels = con.execute("SELECT relation, list(DISTINCT rel) FROM kg.kg_edges GROUP BY ALL").fetchall()
+        inverse_counts = con.execute(
+            """
+            WITH totals AS (SELECT relation, count(*) AS edges FROM kg.kg_edges GROUP BY ALL)
+            SELECT a.relation, b.relation, count(*) AS reversed, any_value(t.edges)
+            FROM kg.kg_edges a
+            JOIN kg.kg_edges b ON b.src_cui = a.dst_cui AND b.dst_cui = a.src_cui
+            JOIN totals t ON t.relation = a.relation
+            GROUP BY ALL ORDER BY a.relation, reversed DESC, b.relation
+            """
+        ).fetchall()
+
+    names = {cui: name for cui, name, *_ in nodes}
+    synonyms = {cui: tuple(s) for cui, _, s, *_ in nodes if s}
+    tuis = {cui: tuple(t) for cui, _, _, t, *_ in nodes}
+    normalized_names = {cui: frozenset(n for n in forms if n) for cui, *_, forms in nodes}
+    owners: dict[str, set[str]] = defaultdict(set)
+    for cui, forms in normalized_names.items():
+        for form in forms:
+            owners[form].add(cui)
+    # A preferred name that is also a name of another concept does not say which one is meant.
+    ambiguous = frozenset(cui for cui, _, _, _, preferred, _ in nodes if not preferred or len(owners[preferred]) > 1)
+
+    out: dict[str, dict[str, tuple[str, ...]]] = defaultdict(dict)
+    into_lists: dict[str, dict[str, list[str]]] = defaultdict(lambda: defaultdict(list))
+    neighbour_sets: dict[str, set[str]] = defaultdict(set)
+    for src, relation, dsts in adjacency:
+        out[src][relation] = tuple(dsts)
+        neighbour_sets[src].update(dsts)
+        for dst in dsts:
+            into_lists[dst][relation].append(src)
+            neighbour_sets[dst].add(src)
+    into = {dst: {r: tuple(sorted(s)) for r, s in by_relation.items()} for dst, by_relation in into_lists.items()}
+
+    parents = {child: tuple(ps) for child, ps in hierarchy}
+    children_lists: dict[str, list[str]] = defaultdict(list)
+    for child, ps in hierarchy:
+        for parent in ps:
+            children_lists[parent].append(child)
+
+    # A relation's inverse is the relation most of its edges reappear under, reversed.
+    inverse: dict[str, str] = {}
+    for relation, reverse_relation, reversed_edges, edges in inverse_counts:
+        if relation not in inverse and reversed_edges * 2 >= edges:
+            inverse[relation] = reverse_relation
+
+    by_tui: dict[str, list[str]] = defaultdict(list)
+    for cui in sorted(names):
+        for tui in tuis[cui]:
+            by_tui[tui].append(cui)
+    return _Graph(
+        names=names, synonyms=synonyms, normalized_names=normalized_names, tuis=tuis, ambiguous=ambiguous,
+        out=dict(out), into=into, neighbours={c: frozenset(n) for c, n in neighbour_sets.items()},
+        parents=parents, children={p: tuple(sorted(c)) for p, c in children_lists.items()},
+        inverse=inverse,
+        hierarchical=frozenset(r for r, rels in relation_rels if set(rels) <= {"PAR", "CHD", "RB", "RN"}),
+        relations=tuple(sorted(r for r, _ in relation_rels)),
+        by_tui=dict(by_tui), range_by_tui={(relation, tui): objects for relation, tui, objects in typed_objects},
+        limits=limits,
+    )
+
+
+# --------------------------------------------------------------------------- drafting questions
+
+
+@dataclass(frozen=True)
+class _Draft:
+    """A question before edge ids and splits are attached."""
+
+    question_type: str
+    fact: tuple[str, ...]  # what the question asks about; hashed into the qid
+    question: str
+    options: dict[str, str]
+    option_cuis: tuple[str, ...]
+    answer: str
+    answer_cuis: tuple[str, ...]
+    acceptable_answers: tuple[str, ...]
+    path: tuple[Edge, ...]
+    seed_cuis: tuple[str, ...]
+    relations: tuple[str, ...]
+
+
+def _subject_pools(graph: _Graph, rng: random.Random, max_answers: int | None) -> dict[str, list[str]]:
+    """Per usable relation, the question entities it can be asked about, shuffled."""
+    pools: dict[str, list[str]] = defaultdict(list)
+    for subject in sorted(graph.out):
+        if not graph.is_seed(subject):
+            continue
+        for relation, objects in graph.out[subject].items():
+            if graph.usable_relation(relation) and (max_answers is None or len(objects) <= max_answers):
+                pools[relation].append(subject)
+    for subjects in pools.values():
+        rng.shuffle(subjects)
+    return dict(pools)
+
+
+def _round_robin(pools: Mapping[str, Sequence[str]]) -> Iterator[tuple[str, str]]:
+    """(relation, subject) pairs taking one from each relation in turn, so that rare
+    relations (a few drug edges) are asked about as well as abundant ones."""
+    iterators = {key: iter(pools[key]) for key in sorted(pools)}
+    while iterators:
+        for key, iterator in list(iterators.items()):
+            for subject in iterator:
+                yield key, subject
+                break
+            else:
+                del iterators[key]
+
+
+def _pick(rng: random.Random, population: Sequence[str], accept: Callable[[str], bool], k: int,
+          tries: int = 200) -> list[str]:
+    """Up to k members of `population` that `accept` takes, drawn at random; a large
+    population is sampled rather than shuffled."""
+    if len(population) <= tries:
+        order: Iterable[str] = rng.sample(list(population), len(population))
+    else:
+        order = (population[rng.randrange(len(population))] for _ in range(tries))
+    picked: list[str] = []
+    for cui in order:
+        if cui not in picked and accept(cui):
+            picked.append(cui)
+            if len(picked) == k:
+                break
+    return picked
+
+
+def _distractors(graph: _Graph, subject: str, relation: str, form: str, answer: str, k: int,
+                 rng: random.Random) -> list[str]:
+    """k concepts like `answer` that are verifiably not an answer of (subject, relation),
+    nor of a relation the question (phrase `form`) words the same way.
+
+    Candidates come from the answer's siblings, then from other objects of the
+    same relation sharing its semantic type, then from any concept of that type.
+    A candidate is refused when it is linked to the subject by any edge, is an
+    ancestor or descendant of a correct answer, or shares a name with one.
+    """
+    correct = graph.objects_worded(subject, relation, form)
+    taken_names = set(graph.normalized_names[subject])
+    for cui in correct:
+        taken_names |= graph.normalized_names[cui]
+    chosen: list[str] = []
+
+    def acceptable(cui: str) -> bool:
+        return (cui != subject and cui not in correct and cui not in chosen and graph.can_be_named(cui)
+                and cui not in graph.neighbours.get(subject, ())
+                and not any(graph.in_lineage(cui, c) for c in correct)
+                and not (graph.normalized_names[cui] & taken_names))
+
+    tui = graph.tuis[answer][0] if graph.tuis.get(answer) else None
+    same_type = (lambda cui: True) if tui is None else (lambda cui: tui in graph.tuis.get(cui, ()))
+    tiers: list[Sequence[str]] = []
+    if graph.limits.sibling_distractors:
+        tiers.append([c for c in graph.siblings(answer) if same_type(c)])
+    if tui is not None:
+        tiers += [graph.range_by_tui.get((relation, tui), []), graph.by_tui.get(tui, [])]
+    for population in tiers:
+        for cui in _pick(rng, population, acceptable, k - len(chosen)):
+            chosen.append(cui)
+            taken_names |= graph.normalized_names[cui]
+        if len(chosen) == k:
+            break
+    return chosen
+
+
+def _by_name(graph: _Graph, cuis: Iterable[str]) -> list[str]:
+    return sorted(cuis, key=lambda c: (graph.names[c].casefold(), c))
+
+
+def _mc_drafts(graph: _Graph, rng: random.Random) -> Iterator[_Draft]:
+    for relation, subject in _round_robin(_subject_pools(graph, rng, max_answers=None)):
+        candidates = [c for c in graph.objects(subject, relation) if graph.can_be_named(c)]
+        if not candidates:
+            continue
+        correct = rng.choice(candidates)
+        distractors = _distractors(graph, subject, relation, "mc", correct, len(OPTION_LETTERS) - 1, rng)
+        if len(distractors) < len(OPTION_LETTERS) - 1:
+            continue
+        option_cuis = [correct, *distractors]
+        rng.shuffle(option_cuis)
+        letter = OPTION_LETTERS[option_cuis.index(correct)]
+        yield _Draft(
+            question_type="mc",
+            fact=(subject, graph.canonical(relation, "mc")),  # the stem: other seeds vary only the options
+            question=relation_phrases(relation).mc.format(subject=graph.names[subject]),
+            options={letter_: graph.names[cui] for letter_, cui in zip(OPTION_LETTERS, option_cuis)},
+            option_cuis=tuple(option_cuis),
+            answer=letter,
+            answer_cuis=(correct,),
+            acceptable_answers=graph.answer_names([correct]),
+            path=((subject, relation, correct),),
+            seed_cuis=(subject,),
+            relations=(relation,),
+        )
+
+
+def _yesno_drafts(graph: _Graph, rng: random.Random) -> Iterator[_Draft]:
+    """Alternately a true edge (yes) and a verified non-edge (no), so the answers are balanced.
+
+    A statement is asked once, in one orientation: "May lisinopril be used to
+    treat Hypertension?" comes from both (lisinopril may_treat Hypertension) and
+    (Hypertension may_be_treated_by lisinopril).
+    """
+    want_yes = True
+    asked: set[Edge] = set()
+    for relation, subject in _round_robin(_subject_pools(graph, rng, max_answers=None)):
+        candidates = [c for c in graph.objects(subject, relation) if graph.can_be_named(c)]
+        if not candidates:
+            continue
+        true_object = rng.choice(candidates)
+        if want_yes:
+            obj, answer = true_object, "A"
+        else:
+            negatives = _distractors(graph, subject, relation, "yesno", true_object, 1, rng)
+            if not negatives:
+                continue
+            obj, answer = negatives[0], "B"
+        subject, relation, obj = graph.oriented(subject, relation, obj)
+        fact = (subject, graph.canonical(relation, "yesno"), obj)
+        if fact in asked:
+            continue
+        asked.add(fact)
+        want_yes = not want_yes
+        yield _Draft(
+            question_type="yesno",
+            fact=fact,
+            question=relation_phrases(relation).yesno.format(subject=graph.names[subject], object=graph.names[obj]),
+            options=dict(YES_NO_OPTIONS),
+            option_cuis=(),
+            answer=answer,
+            answer_cuis=(obj,) if answer == "A" else (),
+            acceptable_answers=(YES_NO_OPTIONS[answer],),
+            path=((subject, relation, obj),) if answer == "A" else (),
+            seed_cuis=(subject, obj),
+            relations=(relation,),
+        )
+
+
+def _short_1hop_drafts(graph: _Graph, rng: random.Random) -> Iterator[_Draft]:
+    limits = graph.limits
+    for relation, subject in _round_robin(_subject_pools(graph, rng, max_answers=limits.max_answers)):
+        answers = _by_name(graph, graph.objects_worded(subject, relation, "short"))
+        if len(answers) > limits.max_answers:
+            continue
+        step = graph.relation_between(subject, answers[0], graph.worded_alike(relation, "short"))
+        yield _Draft(
+            question_type="short_1hop",
+            fact=(subject, graph.canonical(relation, "short")),
+            question=relation_phrases(relation).short_about(graph.names[subject]),
+            options={},
+            option_cuis=(),
+            answer=graph.names[answers[0]],
+            answer_cuis=tuple(answers),
+            acceptable_answers=graph.answer_names(answers),
+            path=((subject, step, answers[0]),),
+            seed_cuis=(subject,),
+            relations=(step,),
+        )
+
+
+def _chain_drafts(graph: _Graph, rng: random.Random) -> Iterator[_Draft]:
+    """subject -r1-> bridge -r2-> answer, asked as "<r2 question> about <r1's objects>".
+
+    Every bridge counts: the answers are all objects of r2 from any object of r1,
+    so the question stays true when the subject has several r1 objects. r2 is
+    never r1 itself (a transitive step) or r1's inverse (that walks back to the
+    subject's own neighbourhood), and two hierarchy steps are not combined.
+    """
+    limits = graph.limits
+    for first, subject in _round_robin(_subject_pools(graph, rng, max_answers=limits.max_answers)):
+        firsts = graph.worded_alike(first, "via")
+        bridges = sorted(graph.objects_worded(subject, first, "via"))
+        if len(bridges) > limits.max_answers or any(graph.is_hub(bridge) for bridge in bridges):
+            continue
+        excluded = set(firsts) | {graph.inverse.get(r) for r in firsts}
+        choices: dict[str, list[str]] = {}
+        for second in sorted({r for bridge in bridges for r in graph.out.get(bridge, {})}):
+            if not graph.usable_relation(second) or second in excluded or graph.both_hierarchical(first, second):
+                continue
+            answers = set().union(*(graph.objects_worded(b, second, "described") for b in bridges))
+            answers -= {subject, *bridges}
+            if 1 <= len(answers) <= limits.max_answers:
+                choices[graph.canonical(second, "described")] = _by_name(graph, answers)
+        if not choices:
+            continue
+        second = rng.choice(sorted(choices))
+        answers = choices[second]
+        seconds = graph.worded_alike(second, "described")
+        bridge, second_step = next((b, r) for b in bridges for r in seconds if answers[0] in graph.objects(b, r))
+        first_step = graph.relation_between(subject, bridge, firsts)
+        about = relation_phrases(first).via.format(subject=graph.names[subject])
+        yield _Draft(
+            question_type="short_2hop",
+            fact=("chain", subject, graph.canonical(first, "via"), second),
+            question=relation_phrases(second).short_about(about, described=True),
+            options={},
+            option_cuis=(),
+            answer=graph.names[answers[0]],
+            answer_cuis=tuple(answers),
+            acceptable_answers=graph.answer_names(answers),
+            path=((subject, first_step, bridge), (bridge, second_step, answers[0])),
+            seed_cuis=(subject,),
+            relations=(first_step, second_step),
+        )
+
+
+def _intersection_drafts(graph: _Graph, rng: random.Random, attempts: int = 3) -> Iterator[_Draft]:
+    """"What <clause about e1> and <clause about e2>?": concepts linked to two question
+    entities, where each constraint alone allows more answers than both together.
+
+    The gold path runs e1 -> answer -> e2 through the answer.
+    """
+    limits = graph.limits
+    candidates = [c for c in sorted(graph.out) if graph.can_be_named(c)]
+    rng.shuffle(candidates)
+    for answer in candidates:
+        constraints: dict[str, list[str]] = {}
+        for relation, objects in sorted(graph.out[answer].items()):
+            seeds = [o for o in objects if graph.is_seed(o)]
+            if graph.usable_relation(relation) and seeds:
+                constraints[relation] = seeds
+        relations = sorted(constraints)
+        for _ in range(attempts):
+            if len(relations) >= 2:
+                q1, q2 = rng.sample(relations, 2)
+                e1, e2 = rng.choice(constraints[q1]), rng.choice(constraints[q2])
+            elif relations and len(constraints[relations[0]]) >= 2:
+                q1 = q2 = relations[0]
+                e1, e2 = rng.sample(constraints[q1], 2)
+            else:
+                break
+            (q1, e1), (q2, e2) = sorted([(graph.canonical(q1, "clause"), e1), (graph.canonical(q2, "clause"), e2)])
+            if graph.both_hierarchical(q1, q2):
+                continue
+            first, second = graph.subjects_worded(e1, q1, "clause"), graph.subjects_worded(e2, q2, "clause")
+            answers = first & second
+            if not (1 <= len(answers) <= limits.max_answers) or answers in (first, second):
+                continue
+            ordered = _by_name(graph, answers)
+            canonical = ordered[0]
+            # e1 -> answer: preferably the inverse of the constraint, else any edge.
+            inverses = [graph.inverse[r] for r in graph.worded_alike(q1, "clause") if r in graph.inverse]
+            back = graph.relation_between(e1, canonical, [*inverses, *sorted(graph.out.get(e1, {}))])
+            if back is None:
+                continue
+            asked = graph.relation_between(canonical, e1, graph.worded_alike(q1, "clause"))
+            forward = graph.relation_between(canonical, e2, graph.worded_alike(q2, "clause"))
+            first_clause = relation_phrases(q1).clause.format(object=graph.names[e1])
+            second_clause = relation_phrases(q2).clause.format(object=graph.names[e2])
+            yield _Draft(
+                question_type="short_2hop",
+                fact=("intersection", e1, q1, e2, q2),
+                question=f"What {first_clause} and {second_clause}?",
+                options={},
+                option_cuis=(),
+                answer=graph.names[canonical],
+                answer_cuis=tuple(ordered),
+                acceptable_answers=graph.answer_names(ordered),
+                path=((e1, back, canonical), (canonical, forward, e2)),
+                seed_cuis=(e1, e2),
+                relations=(asked, forward),  # answer -> e1, answer -> e2
+            )
+            break
+
+
+def _short_2hop_drafts(graph: _Graph, rng: random.Random) -> Iterator[_Draft]:
+    """Chains and intersections in turn."""
+    streams = [_chain_drafts(graph, rng), _intersection_drafts(graph, rng)]
+    while streams:
+        for stream in list(streams):
+            draft = next(stream, None)
+            if draft is None:
+                streams.remove(stream)
+            else:
+                yield draft
+
+
+_DRAFTERS: dict[str, Callable[[_Graph, random.Random], Iterator[_Draft]]] = {
+    "mc": _mc_drafts,
+    "yesno": _yesno_drafts,
+    "short_1hop": _short_1hop_drafts,
+    "short_2hop": _short_2hop_drafts,
+}
+
+
+# --------------------------------------------------------------------------- items, ids and splits
+
+
+@dataclass(frozen=True)
+class KgQaItem:
+    """One row of `qa.qa_items`."""
+
+    qid: str
+    dataset: str
+    split: str
+    question_type: str  # mc | yesno | short_1hop | short_2hop
+    question: str
+    options: dict[str, str]  # letter -> text; {} for short answers
+    option_cuis: tuple[str, ...]  # concept of each MC option, in letter order
+    answer: str  # option letter (mc, yesno) or the canonical answer name (short)
+    answer_cuis: tuple[str, ...]
+    acceptable_answers: tuple[str, ...]
+    gold_path: tuple[str, ...]  # edge ids, in path order; () for a "no"
+    gold_path_text: str
+    seed_cuis: tuple[str, ...]  # the question entities
+    relations: tuple[str, ...]  # the relations asked about: path order; intersections answer -> each entity
+    hops: int
+
+
+def question_id(question_type: str, fact: Sequence[str]) -> str:
+    """A qid that depends only on the fact asked about, so it is stable across seeds and runs."""
+    digest = hashlib.sha1("|".join((question_type, *fact)).encode("utf-8")).hexdigest()[:16]
+    return f"{DATASET_OF_TYPE[question_type]}-{digest}"
+
+
+def split_of(key: str, fractions: Sequence[float] = (0.8, 0.1, 0.1)) -> str:
+    """train / validation / test from the sha1 of `key`: stable, never random.
+
+    Items are split by their question entity (the first seed CUI), not by qid:
+    otherwise the same fact could be asked as a multiple-choice question in
+    train and as a yes/no question in test, and a trained policy would be
+    measured on facts it was rewarded for.
+    """
+    position = int(hashlib.sha1(key.encode("utf-8")).hexdigest()[:15], 16) / 16**15
+    bound = 0.0
+    for name, fraction in zip(SPLIT_NAMES, fractions):
+        bound += fraction
+        if position < bound:
+            return name
+    return SPLIT_NAMES[-1]
+
+
+def _edge_ids(warehouse: Warehouse, edges: set[Edge]) -> dict[Edge, str]:
+    """Edge ids for (src, relation, dst) triples; the smallest when sources disagree on `rel`."""
+    if not edges:
+        return {}
+    wanted = pa.table({name: [e[i] for e in sorted(edges)] for i, name in enumerate(("src", "relation", "dst"))})
+    with warehouse.connect(read_only=True) as con:
+        con.register("wanted_edges", wanted)
+        rows = con.execute(
+            "SELECT w.src, w.relation, w.dst, min(e.edge_id) FROM wanted_edges w JOIN kg.kg_edges e "
+            "ON e.src_cui = w.src AND e.relation = w.relation AND e.dst_cui = w.dst GROUP BY ALL"
+        ).fetchall()
+    return {(src, relation, dst): edge_id for src, relation, dst, edge_id in rows}
+
+
+def _path_text(graph: _Graph, draft: _Draft) -> str:
+    if not draft.path:  # a "no": the edge the question asks about is absent
+        subject, obj = draft.seed_cuis
+        return f"NOT {graph.names[subject]} -{draft.relations[0]}-> {graph.names[obj]}"
+    text = graph.names[draft.path[0][0]]
+    for _, relation, dst in draft.path:
+        text += f" -{relation}-> {graph.names[dst]}"
+    return text
+
+
+def _finish(drafts: list[_Draft], graph: _Graph, warehouse: Warehouse, splits: Sequence[float]) -> list[KgQaItem]:
+    edge_ids = _edge_ids(warehouse, {edge for draft in drafts for edge in draft.path})
+    items = []
+    for draft in drafts:
+        qid = question_id(draft.question_type, draft.fact)
+        items.append(KgQaItem(
+            qid=qid,
+            dataset=DATASET_OF_TYPE[draft.question_type],
+            split=split_of(draft.seed_cuis[0], splits),
+            question_type=draft.question_type,
+            question=draft.question,
+            options=draft.options,
+            option_cuis=draft.option_cuis,
+            answer=draft.answer,
+            answer_cuis=draft.answer_cuis,
+            acceptable_answers=draft.acceptable_answers,
+            gold_path=tuple(edge_ids[edge] for edge in draft.path),
+            gold_path_text=_path_text(graph, draft),
+            seed_cuis=draft.seed_cuis,
+            relations=draft.relations,
+            hops=len(draft.relations),
+        ))
+    return items
+
+
+# --------------------------------------------------------------------------- outputs
+
+
+_TABLE_SCHEMA = pa.schema([
+    ("qid", pa.string()), ("dataset", pa.string()), ("split", pa.string()), ("question_type", pa.string()),
+    ("question", pa.string()), ("options", pa.string()), ("option_cuis", pa.list_(pa.string())),
+    ("answer", pa.string()), ("answer_cuis", pa.list_(pa.string())),
+    ("acceptable_answers", pa.list_(pa.string())), ("gold_path", pa.list_(pa.string())),
+    ("gold_path_text", pa.string()), ("seed_cuis", pa.list_(pa.string())), ("relations", pa.list_(pa.string())),
+    ("hops", pa.int32()),
+])
+
+
+def _publish_table(items: list[KgQaItem], warehouse: Warehouse) -> Path:
+    """`lake/qa/qa_items.parquet` (options as JSON text) and the view `qa.qa_items`, atomically."""
+    columns: dict[str, list[object]] = {name: [] for name in _TABLE_SCHEMA.names}
+    for item in items:
+        for name in _TABLE_SCHEMA.names:
+            value = getattr(item, name)
+            columns[name].append(json.dumps(value, ensure_ascii=False) if name == "options" else
+                                 list(value) if isinstance(value, tuple) else value)
+    table = pa.table(columns, schema=_TABLE_SCHEMA)
+    lake = warehouse.lake
+    staging = lake.staging_path(SCHEMA, TABLE)
+    try:
+        pq.write_table(table, staging, compression="zstd")
+        final = lake.publish(staging, SCHEMA, TABLE)
+    except BaseException:
+        lake.discard(staging)
+        raise
+    warehouse.register_parquet_view(SCHEMA, TABLE, final)
+    return final
+
+
+def _mirage_entry(item: KgQaItem) -> dict[str, object]:
+    entry: dict[str, object] = {"question": item.question, "options": item.options, "answer": item.answer}
+    if not item.options:  # short answer: everything a scorer may accept
+        entry["acceptable_answers"] = list(item.acceptable_answers)
+    return entry
+
+
+def _write_json_atomically(path: Path, payload: object) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    staging = path.parent / f".{path.name}.{uuid.uuid4().hex[:12]}.tmp"
+    try:
+        with open(staging, "w", encoding="utf-8") as handle:
+            json.dump(payload, handle, ensure_ascii=False, indent=1)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(staging, path)
+    except BaseException:
+        staging.unlink(missing_ok=True)
+        raise
+
+
+def write_mirage_json(items: Sequence[KgQaItem], out_dir: str | Path) -> dict[str, Path]:
+    """One MIRAGE file per split, `<out_dir>/qa_items.<split>.json`:
+    `{dataset: {qid: {question, options, answer[, acceptable_answers]}}}`."""
+    paths = {}
+    for split in SPLIT_NAMES:
+        payload: dict[str, dict[str, object]] = {}
+        for item in items:
+            if item.split == split:
+                payload.setdefault(item.dataset, {})[item.qid] = _mirage_entry(item)
+        paths[split] = Path(out_dir) / f"qa_items.{split}.json"
+        _write_json_atomically(paths[split], dict(sorted(payload.items())))
+    return paths
+
+
+@dataclass
+class QaStats:
+    """What one generation produced; becomes Dagster metadata."""
+
+    items: int
+    per_type: dict[str, int]
+    per_split: dict[str, int]
+    per_type_split: dict[str, dict[str, int]]
+    per_relation: dict[str, int]  # first relation of each question
+    yes: int
+    no: int
+    seed: int
+    seconds: float
+    parquet_path: str
+    json_paths: dict[str, str]
+
+    def as_metadata(self) -> dict[str, object]:
+        metadata: dict[str, object] = {
+            "table": f"{SCHEMA}.{TABLE}",
+            "items": self.items,
+            "seed": self.seed,
+            "yesno_yes": self.yes,
+            "yesno_no": self.no,
+            "seconds": round(self.seconds, 3),
+            "parquet_path": self.parquet_path,
+        }
+        metadata.update({f"items_{t}": n for t, n in self.per_type.items()})
+        metadata.update({f"split_{s}": n for s, n in self.per_split.items()})
+        metadata.update({f"relation_{r}": n for r, n in sorted(self.per_relation.items())})
+        metadata.update({f"json_{s}": p for s, p in self.json_paths.items()})
+        return metadata
+
+
+def _per_type_counts(per_type: int | Mapping[str, int]) -> dict[str, int]:
+    if isinstance(per_type, int):
+        return {t: per_type for t in QUESTION_TYPES}
+    unknown = set(per_type) - set(QUESTION_TYPES)
+    if unknown:
+        raise ValueError(f"unknown question types {sorted(unknown)}; known: {', '.join(QUESTION_TYPES)}")
+    return {t: int(per_type.get(t, 0)) for t in QUESTION_TYPES}
+
+
+def _take_unique(drafts: Iterator[_Draft], count: int) -> list[_Draft]:
+    """The first `count` drafts, each fact and each question text once (a repeated text
+    could otherwise land in two splits)."""
+    taken: list[_Draft] = []
+    seen: set[tuple[str, ...] | str] = set()
+    for draft in drafts:
+        if len(taken) >= count:
+            break
+        if draft.fact not in seen and draft.question not in seen:
+            seen.update((draft.fact, draft.question))
+            taken.append(draft)
+    return taken
+
+
+def generate_qa_items(
+    warehouse: Warehouse,
+    out_dir: str | Path,
+    *,
+    seed: int = 0,
+    per_type: int | Mapping[str, int] = 1000,
+    splits: Sequence[float] = (0.8, 0.1, 0.1),
+    limits: QaLimits = QaLimits(),
+) -> QaStats:
+    """Generate up to `per_type` questions of each type from `kg.kg_nodes`/`kg.kg_edges`,
+    publish them as `qa.qa_items` and write MIRAGE files `qa_items.<split>.json` under `out_dir`.
+
+    Deterministic for a given graph, seed and settings. `splits` are the
+    train/validation/test fractions of the qid hash.
+    """
+    started = time.perf_counter()
+    if len(splits) != len(SPLIT_NAMES) or min(splits) < 0 or abs(sum(splits) - 1.0) > 1e-9:
+        raise ValueError(f"splits must be three non-negative fractions summing to 1, got {tuple(splits)}")
+    counts = _per_type_counts(per_type)
+    graph = _load_graph(warehouse, limits)
+    drafts: list[_Draft] = []
+    for question_type in QUESTION_TYPES:
+        rng = random.Random(f"{seed}:{question_type}")
+        drafts += _take_unique(_DRAFTERS[question_type](graph, rng), counts[question_type])
+    items = _finish(drafts, graph, warehouse, splits)
+    parquet = _publish_table(items, warehouse)
+    json_paths = write_mirage_json(items, out_dir)
+
+    per_type_split: dict[str, dict[str, int]] = {t: dict.fromkeys(SPLIT_NAMES, 0) for t in QUESTION_TYPES}
+    for item in items:
+        per_type_split[item.question_type][item.split] += 1
+    yesno = Counter(item.answer for item in items if item.question_type == "yesno")
+    stats = QaStats(
+        items=len(items),
+        per_type={t: sum(per_type_split[t].values()) for t in QUESTION_TYPES},
+        per_split={s: sum(per_type_split[t][s] for t in QUESTION_TYPES) for s in SPLIT_NAMES},
+        per_type_split=per_type_split,
+        per_relation=dict(Counter(item.relations[0] for item in items)),
+        yes=yesno["A"],
+        no=yesno["B"],
+        seed=seed,
+        seconds=time.perf_counter() - started,
+        parquet_path=str(parquet),
+        json_paths={s: str(p) for s, p in json_paths.items()},
+    )
+    log.info("qa items: %d (%s) in %.1fs", stats.items, stats.per_type, stats.seconds)
+    return stats
+
+
+# --------------------------------------------------------------------------- reading MIRAGE files
+
+
+@dataclass(frozen=True)
+class QaItem:
+    """One benchmark question from a MIRAGE-format file (ours or MIRAGE's own)."""
+
+    dataset: str
+    qid: str
+    question: str
+    options: dict[str, str]  # {} for a short-answer question
+    answer: str  # an option letter, or the answer text for a short-answer question
+    acceptable_answers: tuple[str, ...] = ()
+    pmids: tuple[str, ...] = ()
+    extra: dict[str, object] = field(default_factory=dict)  # any other field of the entry
+
+    @property
+    def is_multiple_choice(self) -> bool:
+        return bool(self.options)
+
+    @property
+    def answer_text(self) -> str:
+        return self.options.get(self.answer, self.answer)
+
+    @property
+    def gold_answers(self) -> tuple[str, ...]:
+        """The strings a free-text answer is scored against."""
+        return self.acceptable_answers or (self.answer_text,)
+
+
+def load_mirage(path: str | Path, datasets: Iterable[str] | None = None) -> list[QaItem]:
+    """Read `{dataset: {qid: {question, options, answer, ...}}}` into QaItems, in file order.
+
+    `datasets` selects some of the file's datasets; naming one it lacks is an error.
+    """
+    path = Path(path)
+    with open(path, encoding="utf-8") as handle:
+        data = json.load(handle)
+    if not isinstance(data, dict):
+        raise TypeError(f"{path}: expected an object of datasets, found {type(data).__name__}")
+    wanted = list(data) if datasets is None else list(datasets)
+    missing = [d for d in wanted if d not in data]
+    if missing:
+        raise ValueError(f"{path}: no dataset(s) {missing}; the file has {sorted(data)}")
+    items = []
+    for dataset in wanted:
+        for qid, entry in data[dataset].items():
+            options = {str(k): str(v) for k, v in (entry.get("options") or {}).items()}
+            if "question" not in entry or "answer" not in entry:
+                raise ValueError(f"{path}: {dataset}/{qid} lacks a question or an answer")
+            answer = str(entry["answer"])
+            if options and answer not in options:
+                raise ValueError(f"{path}: {dataset}/{qid} answer {answer!r} is not one of {sorted(options)}")
+            extra = {k: v for k, v in entry.items()
+                     if k not in ("question", "options", "answer", "acceptable_answers", "PMID")}
+            items.append(QaItem(
+                dataset=dataset,
+                qid=str(qid),
+                question=str(entry["question"]),
+                options=options,
+                answer=answer,
+                acceptable_answers=tuple(str(a) for a in entry.get("acceptable_answers") or ()),
+                pmids=tuple(str(p) for p in entry.get("PMID") or ()),
+                extra=extra,
+            ))
+    return items

@@ -1,0 +1,344 @@
+"""KG-derived QA items: answers and gold paths checked against kg_edges, stable splits, MIRAGE files."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections import Counter, defaultdict
+from itertools import pairwise
+from pathlib import Path
+
+import pytest
+from conftest import SHARED_DATA, copy_warehouse
+
+from medgraph.kg.qa import (
+    QUESTION_TYPES,
+    SPLIT_NAMES,
+    QaStats,
+    generate_qa_items,
+    load_mirage,
+    relation_phrases,
+    split_of,
+)
+from medgraph.storage import Lake, Warehouse
+
+PER_TYPE = 150
+
+
+class Edges:
+    """kg_edges of a warehouse as sets, to check items independently of the generator."""
+
+    def __init__(self, warehouse: Warehouse):
+        with warehouse.connect(read_only=True) as con:
+            rows = con.execute("SELECT edge_id, src_cui, relation, dst_cui, rel FROM kg.kg_edges").fetchall()
+        self.by_id = {edge_id: (src, relation, dst) for edge_id, src, relation, dst, _ in rows}
+        self.triples = set(self.by_id.values())
+        self.relations = {relation for _, relation, _ in self.triples}
+        self.linked = {(src, dst) for src, _, dst in self.triples} | {(dst, src) for src, _, dst in self.triples}
+        self.objects: dict[tuple[str, str], set[str]] = defaultdict(set)
+        self.neighbours: dict[str, set[str]] = defaultdict(set)
+        self.parents: dict[str, set[str]] = defaultdict(set)
+        for src, relation, dst, rel in ((s, r, d, rel) for _, s, r, d, rel in rows):
+            self.objects[(src, relation)].add(dst)
+            self.neighbours[src].add(dst)
+            self.neighbours[dst].add(src)
+            if rel == "CHD":
+                self.parents[src].add(dst)
+
+    def ancestors(self, cui: str) -> set[str]:
+        found, stack = set(), list(self.parents[cui])
+        while stack:
+            parent = stack.pop()
+            if parent not in found:
+                found.add(parent)
+                stack.extend(self.parents[parent])
+        return found
+
+
+    def worded_alike(self, relation: str, form: str) -> set[str]:
+        """Relations a question words the same way (its answers are theirs too)."""
+        text = relation_phrases(relation).form(form)
+        return {r for r in self.relations if relation_phrases(r).form(form) == text}
+
+    def objects_worded(self, subject: str, relation: str, form: str) -> set[str]:
+        return set().union(*(self.objects[(subject, r)] for r in self.worded_alike(relation, form)))
+
+
+def qa_rows(warehouse: Warehouse) -> list[dict]:
+    with warehouse.connect(read_only=True) as con:
+        cursor = con.execute("SELECT * FROM qa.qa_items")
+        names = [d[0] for d in cursor.description]
+        return [dict(zip(names, row)) for row in cursor.fetchall()]
+
+
+@pytest.fixture(scope="module")
+def generated(kg_warehouse: Warehouse, tmp_path_factory: pytest.TempPathFactory) -> tuple[Warehouse, QaStats, Path]:
+    warehouse = copy_warehouse(kg_warehouse, tmp_path_factory.mktemp("qa") / "home")
+    out_dir = warehouse.path.parent / "qa"
+    stats = generate_qa_items(warehouse, out_dir, seed=0, per_type=PER_TYPE)
+    return warehouse, stats, out_dir
+
+
+@pytest.fixture(scope="module")
+def items(generated: tuple[Warehouse, QaStats, Path]) -> list[dict]:
+    return qa_rows(generated[0])
+
+
+@pytest.fixture(scope="module")
+def edges(generated: tuple[Warehouse, QaStats, Path]) -> Edges:
+    return Edges(generated[0])
+
+
+def test_every_type_is_generated_and_counted(generated, items):
+    _, stats, _ = generated
+    counts = Counter(item["question_type"] for item in items)
+    assert stats.per_type == {t: counts[t] for t in QUESTION_TYPES}
+    assert all(counts[t] == PER_TYPE for t in QUESTION_TYPES), counts
+    assert stats.as_metadata()["items"] == len(items) == len({item["qid"] for item in items})
+
+
+def test_gold_paths_are_kg_edges_from_the_question_entity_to_the_answer(items, edges):
+    for item in items:
+        if item["question_type"] == "yesno" and item["answer"] == "B":
+            continue  # a "no" has no path; checked in the yes/no test
+        path = [edges.by_id[edge_id] for edge_id in item["gold_path"]]  # KeyError: not an edge
+        seeds, answer = item["seed_cuis"], item["answer_cuis"][0]
+        assert len(path) == item["hops"] == len(item["relations"]), item
+        assert path[0][0] == seeds[0], item
+        assert all(a[2] == b[0] for a, b in pairwise(path)), f"not a path: {item}"
+        if item["question_type"] == "short_2hop" and len(seeds) == 2:  # intersection: e1 -> answer -> e2
+            assert path[0][2] == answer and path[1] == (answer, item["relations"][1], seeds[1]), item
+            assert (answer, item["relations"][0], seeds[0]) in edges.triples, item
+        else:
+            assert path[-1][2] == answer and [p[1] for p in path] == item["relations"], item
+        if item["question_type"] in ("mc", "short_1hop", "short_2hop"):  # no hubs as question entities
+            assert all(len(edges.neighbours[seed]) <= 50 for seed in seeds), item
+
+
+def test_short_answers_are_exactly_what_the_graph_says(items, edges):
+    for item in items:
+        seeds, relations = item["seed_cuis"], item["relations"]
+        if item["question_type"] == "short_1hop":
+            expected = edges.objects_worded(seeds[0], relations[0], "short")
+        elif item["question_type"] == "short_2hop" and len(seeds) == 1:  # chain
+            bridges = edges.objects_worded(seeds[0], relations[0], "via")
+            expected = set().union(*(edges.objects_worded(b, relations[1], "described") for b in bridges))
+            expected -= bridges | {seeds[0]}
+        elif item["question_type"] == "short_2hop":  # intersection: answers linked to both entities
+            expected = set.intersection(*(
+                {s for r in edges.worded_alike(relation, "clause") for (s, r_), objects in edges.objects.items()
+                 if r_ == r and seed in objects}
+                for relation, seed in zip(relations, seeds)))
+        else:
+            continue
+        assert set(item["answer_cuis"]) == expected, item
+        assert 1 <= len(expected) <= 3
+        assert item["answer"] == item["acceptable_answers"][0]
+
+
+def test_mc_has_one_correct_option_and_verified_distractors(items, edges):
+    mc = [item for item in items if item["question_type"] == "mc"]
+    assert mc
+    for item in mc:
+        options = json.loads(item["options"])
+        subject, relation = item["seed_cuis"][0], item["relations"][0]
+        assert list(options) == ["A", "B", "C", "D"] and len(set(options.values())) == 4
+        correct = [cui for cui in item["option_cuis"] if cui in edges.objects_worded(subject, relation, "mc")]
+        assert correct == item["answer_cuis"], item
+        assert item["option_cuis"]["ABCD".index(item["answer"])] == correct[0]
+        lineage = set().union(*(edges.ancestors(c) for c in edges.objects[(subject, relation)]))
+        for distractor in set(item["option_cuis"]) - set(correct):
+            assert (subject, distractor) not in edges.linked, f"{distractor} is linked to {subject}: {item}"
+            assert distractor not in lineage, f"{distractor} is an ancestor of a correct answer: {item}"
+            assert not (edges.ancestors(distractor) & edges.objects[(subject, relation)]), item
+
+
+def test_yesno_is_balanced_and_no_means_no_edge(items, edges):
+    yesno = [item for item in items if item["question_type"] == "yesno"]
+    answers = Counter(item["answer"] for item in yesno)
+    assert abs(answers["A"] - answers["B"]) <= 0.1 * len(yesno), answers
+    for item in yesno:
+        subject, obj = item["seed_cuis"]
+        assert json.loads(item["options"]) == {"A": "yes", "B": "no"}
+        if item["answer"] == "A":
+            assert (subject, item["relations"][0], obj) in edges.triples
+        else:
+            assert item["gold_path"] == [] and (subject, obj) not in edges.linked, item
+
+
+def test_splits_are_disjoint_and_follow_the_question_entity(generated, items):
+    _, _, out_dir = generated
+    seen: dict[str, str] = {}
+    for split in SPLIT_NAMES:
+        for item in load_mirage(out_dir / f"qa_items.{split}.json"):
+            assert item.qid not in seen, f"{item.qid} in {seen.get(item.qid)} and {split}"
+            seen[item.qid] = split
+    assert seen == {item["qid"]: item["split"] for item in items}
+    assert all(item["split"] == split_of(item["seed_cuis"][0]) for item in items)
+    # No question entity is asked about in two splits, so no fact leaks from train into test.
+    entity_splits: dict[str, set[str]] = {}
+    for item in items:
+        entity_splits.setdefault(item["seed_cuis"][0], set()).add(item["split"])
+    assert all(len(splits) == 1 for splits in entity_splits.values())
+    fractions = Counter(seen.values())
+    assert 0.7 < fractions["train"] / len(seen) < 0.9
+
+
+def test_split_of_is_roughly_80_10_10():
+    qids = [f"kgqa_mc-{hashlib.md5(str(i).encode()).hexdigest()[:16]}" for i in range(20_000)]
+    shares = Counter(split_of(q) for q in qids)
+    assert abs(shares["train"] / 20_000 - 0.8) < 0.015
+    assert abs(shares["validation"] / 20_000 - 0.1) < 0.01
+    assert abs(shares["test"] / 20_000 - 0.1) < 0.01
+
+
+def test_same_seed_same_files_and_other_seeds_keep_each_qid_in_its_split(kg_warehouse, tmp_path):
+    warehouse = copy_warehouse(kg_warehouse, tmp_path / "home")
+    runs = {}
+    for name, seed in (("first", 0), ("again", 0), ("other", 1)):
+        generate_qa_items(warehouse, tmp_path / name, seed=seed, per_type=PER_TYPE)
+        runs[name] = {split: (tmp_path / name / f"qa_items.{split}.json").read_bytes() for split in SPLIT_NAMES}
+    assert runs["first"] == runs["again"]
+
+    def split_by_qid(run: str) -> dict[str, str]:
+        return {qid: split for split in SPLIT_NAMES
+                for dataset in json.loads(runs[run][split]).values() for qid in dataset}
+
+    first, other = split_by_qid("first"), split_by_qid("other")
+    common = first.keys() & other.keys()
+    assert common and first.keys() != other.keys()  # the seed changes the sample ...
+    assert all(first[q] == other[q] for q in common)  # ... never a question's split
+
+
+def test_mirage_files_round_trip_through_load_mirage(generated, items):
+    _, _, out_dir = generated
+    loaded = {item.qid: item for split in SPLIT_NAMES for item in load_mirage(out_dir / f"qa_items.{split}.json")}
+    assert len(loaded) == len(items)
+    for row in items:
+        item = loaded[row["qid"]]
+        assert (item.dataset, item.question, item.options, item.answer) == (
+            row["dataset"], row["question"], json.loads(row["options"]), row["answer"])
+        if row["question_type"].startswith("short"):
+            assert not item.is_multiple_choice and list(item.gold_answers) == row["acceptable_answers"]
+        else:
+            assert item.is_multiple_choice and item.answer_text == json.loads(row["options"])[row["answer"]]
+    short = load_mirage(out_dir / "qa_items.train.json", datasets=["kgqa_short"])
+    assert short and {item.dataset for item in short} == {"kgqa_short"}
+    with pytest.raises(ValueError, match="no dataset"):
+        load_mirage(out_dir / "qa_items.train.json", datasets=["medqa"])
+
+
+def test_load_mirage_reads_the_shared_dev_split():
+    path = SHARED_DATA / "mirage" / "mirage_dev.json"
+    if not path.is_file():
+        pytest.skip(f"shared MIRAGE data not present at {path}")
+    items = load_mirage(path)
+    assert Counter(item.dataset for item in items) == {
+        "mmlu": 202, "medqa": 255, "medmcqa": 796, "pubmedqa": 97, "bioasq": 124}
+    assert all(item.answer in item.options for item in items)
+    pubmedqa = load_mirage(path, datasets=["pubmedqa"])
+    assert len(pubmedqa) == 97 and pubmedqa[0].options == {"A": "yes", "B": "no", "C": "maybe"}
+    assert pubmedqa[0].pmids
+
+
+# --------------------------------------------------------------------------- a hand-made graph
+
+DRUGS = {"lisinopril": "Hypertension", "metformin": "Type 2 diabetes mellitus",
+         "salbutamol": "Asthma", "sumatriptan": "Migraine"}
+MECHANISMS = {"lisinopril": "ACE inhibitor", "metformin": "Biguanide"}
+GENES = ["GENE1", "GENE2", "GENE3", "GENE4", "GENE5"]
+
+
+def handmade_warehouse(home: Path) -> Warehouse:
+    """kg_nodes/kg_edges for four drugs treating four diseases, two mechanisms and one
+    relation the generator has no phrasing for (GENE1 regulates GENE2)."""
+    nodes = []
+    cui = {}
+    for i, (name, tui, types, synonyms) in enumerate(
+        [(d, "T121", "Pharmacologic Substance", []) for d in DRUGS]
+        + [(d, "T047", "Disease or Syndrome", []) for d in DRUGS.values()]
+        + [("ACE inhibitor", "T044", "Molecular Function", ["Angiotensin-converting enzyme inhibitor"]),
+           ("Biguanide", "T044", "Molecular Function", [])]
+        + [(g, "T028", "Gene or Genome", []) for g in GENES]
+    ):
+        cui[name] = f"C{i + 1:07d}"
+        nodes.append((cui[name], name, synonyms, [types], [tui], None, ["TEST"]))
+    edges = []
+    for (src, relation, dst), inverse in (
+        [((d, "may_treat", t), "may_be_treated_by") for d, t in DRUGS.items()]
+        + [((d, "has_mechanism_of_action", m), "mechanism_of_action_of") for d, m in MECHANISMS.items()]
+        + [(("GENE1", "regulates", "GENE2"), None)]
+    ):
+        edges.append((cui[src], relation, cui[dst]))
+        if inverse:
+            edges.append((cui[dst], inverse, cui[src]))
+    warehouse = Warehouse(home / "warehouse.duckdb", Lake(home / "lake"))
+    with warehouse.connect() as con:
+        con.execute("CREATE SCHEMA kg")
+        con.execute("CREATE TABLE kg.kg_nodes (cui VARCHAR, preferred_name VARCHAR, synonyms VARCHAR[], "
+                    "semantic_types VARCHAR[], tuis VARCHAR[], definition VARCHAR, sources VARCHAR[])")
+        con.executemany("INSERT INTO kg.kg_nodes VALUES (?, ?, ?, ?, ?, ?, ?)", nodes)
+        con.execute("CREATE TABLE kg.kg_edges (edge_id VARCHAR, src_cui VARCHAR, rel VARCHAR, rela VARCHAR, "
+                    "relation VARCHAR, dst_cui VARCHAR, sab VARCHAR, sources VARCHAR[])")
+        con.executemany("INSERT INTO kg.kg_edges VALUES (md5(? || ? || ?), ?, 'RO', ?, ?, ?, 'TEST', ['TEST'])",
+                        [(s, r, d, s, r, r, d) for s, r, d in edges])
+    return warehouse
+
+
+def test_handmade_graph_gives_exactly_the_expected_questions(tmp_path):
+    warehouse = handmade_warehouse(tmp_path / "home")
+    generate_qa_items(warehouse, tmp_path / "qa", seed=3, per_type=100)
+    rows = qa_rows(warehouse)
+    by_type = defaultdict(list)
+    for row in rows:
+        by_type[row["question_type"]].append(row)
+
+    diseases = set(DRUGS.values())
+    expected_mc = {(f"Which of the following may be treated with {d}?", t, frozenset(diseases))
+                   for d, t in DRUGS.items()}
+    expected_mc |= {(f"Which of the following may treat {t}?", d, frozenset(DRUGS)) for d, t in DRUGS.items()}
+    expected_mc.add(("Which of the following has the mechanism of action ACE inhibitor?", "lisinopril",
+                     frozenset(DRUGS)))
+    expected_mc.add(("Which of the following has the mechanism of action Biguanide?", "metformin",
+                     frozenset(DRUGS)))
+    expected_mc.add(('Which of the following completes the statement "GENE1 regulates ___"?', "GENE2",
+                     frozenset(GENES) - {"GENE1"}))
+    # has_mechanism_of_action has no MC question: there are only two mechanisms to offer.
+    got_mc = set()
+    for row in by_type["mc"]:
+        options = json.loads(row["options"])
+        got_mc.add((row["question"], options[row["answer"]], frozenset(options.values())))
+    assert got_mc == expected_mc
+
+    expected_short = {(f"What condition may {d} treat?", t, (t,)) for d, t in DRUGS.items()}
+    expected_short |= {(f"Which drug may treat {t}?", d, (d,)) for d, t in DRUGS.items()}
+    expected_short |= {
+        ("What is the mechanism of action of lisinopril?", "ACE inhibitor",
+         ("ACE inhibitor", "Angiotensin-converting enzyme inhibitor")),
+        ("What is the mechanism of action of metformin?", "Biguanide", ("Biguanide",)),
+        ("Which drug has the mechanism of action ACE inhibitor?", "lisinopril", ("lisinopril",)),
+        ("Which drug has the mechanism of action Biguanide?", "metformin", ("metformin",)),
+        ('What completes the statement "GENE1 regulates ___"?', "GENE2", ("GENE2",)),
+    }
+    assert {(r["question"], r["answer"], tuple(r["acceptable_answers"])) for r in by_type["short_1hop"]} \
+        == expected_short
+
+    assert {(r["question"], r["answer"], r["gold_path_text"]) for r in by_type["short_2hop"]} == {
+        ("What is the mechanism of action of a drug that may treat Hypertension?", "ACE inhibitor",
+         "Hypertension -may_be_treated_by-> lisinopril -has_mechanism_of_action-> ACE inhibitor"),
+        ("What is the mechanism of action of a drug that may treat Type 2 diabetes mellitus?", "Biguanide",
+         "Type 2 diabetes mellitus -may_be_treated_by-> metformin -has_mechanism_of_action-> Biguanide"),
+        ("What condition may a drug with the mechanism of action ACE inhibitor treat?", "Hypertension",
+         "ACE inhibitor -mechanism_of_action_of-> lisinopril -may_treat-> Hypertension"),
+        ("What condition may a drug with the mechanism of action Biguanide treat?", "Type 2 diabetes mellitus",
+         "Biguanide -mechanism_of_action_of-> metformin -may_treat-> Type 2 diabetes mellitus"),
+    }
+
+    yes = {r["question"] for r in by_type["yesno"] if r["answer"] == "A"}
+    no = {r["question"] for r in by_type["yesno"] if r["answer"] == "B"}
+    assert abs(len(yes) - len(no)) <= 1 and len(yes) + len(no) == len(by_type["yesno"])  # no repeats
+    true_claims = ({f"May {d} be used to treat {t}?" for d, t in DRUGS.items()}
+                   | {f"Is {m} a mechanism of action of {d}?" for d, m in MECHANISMS.items()}
+                   | {f"Does {d} have the mechanism of action {m}?" for d, m in MECHANISMS.items()}
+                   | {"Is it true that GENE1 regulates GENE2?"})
+    assert yes <= true_claims and not (no & true_claims)
