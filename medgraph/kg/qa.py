@@ -30,11 +30,12 @@ whichever direction it was found in. Questions about hubs (many neighbours) and
 short answers with more than a few correct concepts are skipped, because they
 cannot be scored meaningfully.
 
-Splits come from a hash of the question id, never from a random draw, and the
-qid is a hash of what a question asks (type, relations, question entities; the
-object too for yes/no). The same question therefore lands in the same split
-whatever the seed, and a seed only changes which questions are sampled (and
-the options of a multiple-choice question).
+Splits come from a hash of the question entity (the first seed CUI), never
+from a random draw: every question about one concept lands in one split, so no
+fact is rewarded in train and measured again in test. The qid is a hash of what
+a question asks (type, relations, question entities; the object too for
+yes/no), so it is stable across seeds, and a seed only changes which questions
+are sampled (and the options of a multiple-choice question).
 """
 
 from __future__ import annotations
@@ -985,7 +986,7 @@ def generate_qa_items(
     publish them as `qa.qa_items` and write MIRAGE files `qa_items.<split>.json` under `out_dir`.
 
     Deterministic for a given graph, seed and settings. `splits` are the
-    train/validation/test fractions of the qid hash.
+    train/validation/test fractions of the question-entity hash.
     """
     started = time.perf_counter()
     if len(splits) != len(SPLIT_NAMES) or min(splits) < 0 or abs(sum(splits) - 1.0) > 1e-9:
