@@ -5,12 +5,14 @@ import dagster as dg
 
 import jobs
 import sensors
-from platform_assets import kg, umls
+from platform_assets import kg, qa, text, umls
 from resources import build_resources
 
 defs = dg.Definitions.merge(
     umls.defs,
     kg.defs,
+    qa.defs,
+    text.defs,
     jobs.defs,
     sensors.defs,
     # In-process by default: on a laptop the per-step process start costs more than it buys,

@@ -1,0 +1,40 @@
+"""KG-derived questions with verifiable answers: the embedded benchmark and the policy's training data."""
+
+from pathlib import Path
+
+import dagster as dg
+
+from medgraph.kg.qa import generate_qa_items
+from resources import WarehouseResource
+
+KG_INPUTS = [dg.AssetKey(["kg", "kg_nodes"]), dg.AssetKey(["kg", "kg_edges"])]
+
+
+class QaConfig(dg.Config):
+    per_type: int = 1000
+    """Questions per type (mc, yesno, short_1hop, short_2hop), at most."""
+    seed: int = 0
+
+
+@dg.asset(
+    key=["qa", "qa_items"],
+    deps=KG_INPUTS,
+    group_name="qa",
+    kinds={"duckdb", "parquet", "json"},
+    pool="warehouse",
+    automation_condition=dg.AutomationCondition.eager(),
+    code_version="1",
+)
+def qa_items(context: dg.AssetExecutionContext, config: QaConfig, warehouse: WarehouseResource) -> dg.MaterializeResult:
+    """Multiple-choice, yes/no and 1-/2-hop short-answer questions read off `kg.kg_edges`, each with
+    its gold path; split train/validation/test by question entity. Table `qa.qa_items` plus MIRAGE
+    files `$MEDGRAPH_HOME/qa/qa_items.<split>.json`."""
+    store = warehouse.open()
+    stats = generate_qa_items(store, Path(warehouse.home) / "qa", seed=config.seed, per_type=config.per_type)
+    metadata = stats.as_metadata()
+    metadata["dagster/table_name"] = "qa.qa_items"
+    metadata["dagster/row_count"] = stats.items
+    return dg.MaterializeResult(metadata=metadata)
+
+
+defs = dg.Definitions(assets=[qa_items])
