@@ -5,7 +5,7 @@ import dagster as dg
 
 import jobs
 import sensors
-from platform_assets import kg, qa, text, umls
+from platform_assets import embeddings, kg, qa, text, umls
 from resources import build_resources
 
 defs = dg.Definitions.merge(
@@ -13,6 +13,7 @@ defs = dg.Definitions.merge(
     kg.defs,
     qa.defs,
     text.defs,
+    embeddings.defs,
     jobs.defs,
     sensors.defs,
     # In-process by default: on a laptop the per-step process start costs more than it buys,

@@ -1,5 +1,6 @@
 """Dagster resources: one per external system, each a thin shell over medgraph/."""
 
+from resources.encoder import EncoderResource
 from resources.warehouse import UmlsReleaseResource, WarehouseResource, build_resources
 
-__all__ = ["UmlsReleaseResource", "WarehouseResource", "build_resources"]
+__all__ = ["EncoderResource", "UmlsReleaseResource", "WarehouseResource", "build_resources"]

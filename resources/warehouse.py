@@ -53,9 +53,11 @@ def build_resources(settings: Settings | None = None) -> dict[str, dg.Configurab
     from dagster_dbt import DbtCliResource
 
     from platform_assets.dbt_project import DBT_EXECUTABLE, dbt_project
+    from resources.encoder import EncoderResource
 
     return {
         "warehouse": WarehouseResource(home=home),
         "dbt": DbtCliResource(project_dir=dbt_project, dbt_executable=DBT_EXECUTABLE),
         "release": UmlsReleaseResource(home=home, umls_dir=settings.umls_dir, profile=settings.profile),
+        "encoder": EncoderResource(spec=settings.encoder),
     }

