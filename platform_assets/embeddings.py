@@ -9,7 +9,8 @@ from resources import EncoderResource, WarehouseResource
 INPUTS = {
     "node_embeddings": [dg.AssetKey(["kg", "kg_node_text"])],
     "edge_embeddings": [dg.AssetKey(["kg", "kg_edges"]), dg.AssetKey(["kg", "kg_nodes"])],
-    "chunk_embeddings": [dg.AssetKey(["text", "corpus_chunks"])],
+    # After node_embeddings: KG chunks are node texts, whose vectors are borrowed, not recomputed.
+    "chunk_embeddings": [dg.AssetKey(["text", "corpus_chunks"]), dg.AssetKey(["embeddings", "node_embeddings"])],
 }
 DESCRIPTIONS = {
     "node_embeddings": "One vector per KG node text (what `search_nodes` and the GAT's node features use).",
@@ -49,7 +50,8 @@ def _embedding_asset(target: str) -> dg.AssetsDefinition:
         store = warehouse.open()
         source = EMBEDDING_SOURCES[target]
         stats = embed_table(store, source_sql(target, config.relations), target, encoder.load(), id_column=source.id_column,
-                            text_column=source.text_column, progress=True)
+                            text_column=source.text_column, progress=True,
+                            reuse_from=["node_embeddings"] if target == "chunk_embeddings" else ())
         context.log.info(f"{target}: embedded {stats.embedded}, reused {stats.reused}, removed {stats.removed}")
         index = VectorIndex.build_or_load(store.lake, target)
         metadata = stats.as_metadata()

@@ -265,3 +265,21 @@ def test_small_tables_use_exact_search(small_kg: Warehouse, encoder: Encoder):
     index = VectorIndex.build_or_load(small_kg.lake, "node_embeddings")
     assert index.kind == "exact" and len(index) == NODES
     assert len(index.search(np.zeros((2, 384), np.float32), k=100)[0]) == NODES  # k larger than the table
+
+
+def test_identical_texts_are_borrowed_from_another_embedding_table(small_kg: Warehouse, encoder: Encoder):
+    """KG chunks are node texts: chunk_embeddings takes their vectors from node_embeddings."""
+    embed_source(small_kg, "node_embeddings", encoder)
+    with small_kg.connect() as con:
+        con.execute("CREATE SCHEMA text")
+        con.execute("CREATE TABLE text.corpus_chunks AS SELECT 'chunk-' || cui AS chunk_id, text FROM kg.kg_node_text "
+                    "UNION ALL SELECT 'chunk-new', 'a text no node has'")
+    counting = StandInEncoder(encoder, encoder.encoder_id)
+    stats = embed_source(small_kg, "chunk_embeddings", counting, reuse_from=["node_embeddings"])
+    assert (stats.embedded, stats.reused, stats.rows) == (1, NODES, NODES + 1)
+    chunk_ids, chunk_vectors = read_embeddings(small_kg.lake, "chunk_embeddings")
+    node_ids, node_vectors = read_embeddings(small_kg.lake, "node_embeddings")
+    by_node = dict(zip(node_ids, node_vectors))
+    for chunk_id, vector in zip(chunk_ids, chunk_vectors):
+        if chunk_id != "chunk-new":
+            np.testing.assert_array_equal(vector, by_node[chunk_id.removeprefix("chunk-")])

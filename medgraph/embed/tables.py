@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -177,8 +177,12 @@ def embed_table(
     text_column: str,
     batch_size: int = 4096,
     progress: bool = False,
+    reuse_from: Sequence[str] = (),
 ) -> EmbedStats:
     """Bring `embeddings.<target>` up to date with the rows of `source_sql`, embedding only what changed.
+
+    `reuse_from` names other embedding tables whose vectors are taken for identical texts
+    (same content hash and encoder): KG chunks are mostly node texts already embedded.
 
     `batch_size` is the number of rows fetched, embedded and written per step
     (memory stays bounded by it); the model's own batch size is the encoder's.
@@ -207,11 +211,23 @@ def embed_table(
             # Rows of the current table that are still exactly right: same id, text and encoder.
             con.execute(f"CREATE VIEW reusable AS SELECT o.* FROM old AS o SEMI JOIN src AS s "
                         f"ON o.id = s.id AND o.content_hash = s.content_hash WHERE o.encoder_id = {encoder_id}")
-            reused = con.execute("SELECT count(*) FROM reusable").fetchone()[0]
+            donors = [lake.table_path(SCHEMA, other) for other in reuse_from
+                      if other != target and lake.table_path(SCHEMA, other).exists()]
+            if donors:
+                files = ", ".join(sql_literal(str(p)) for p in donors)
+                con.execute(f"CREATE VIEW donors AS SELECT content_hash, any_value(embedding) AS embedding "
+                            f"FROM read_parquet([{files}]) WHERE encoder_id = {encoder_id} GROUP BY content_hash")
+                con.execute(f"CREATE VIEW borrowed AS SELECT s.id, s.content_hash, {encoder_id} AS encoder_id, "
+                            "d.embedding FROM src AS s JOIN donors AS d USING (content_hash) "
+                            "WHERE s.id NOT IN (SELECT id FROM reusable)")
+                con.execute("CREATE VIEW kept AS SELECT * FROM reusable UNION ALL SELECT * FROM borrowed")
+            else:
+                con.execute("CREATE VIEW kept AS SELECT * FROM reusable")
+            reused = con.execute("SELECT count(*) FROM kept").fetchone()[0]
             removed = con.execute("SELECT count(*) FROM old ANTI JOIN src USING (id)").fetchone()[0]
-            todo = ("SELECT s.id, s.text, s.content_hash FROM src AS s ANTI JOIN reusable AS r ON s.id = r.id "
+            todo = ("SELECT s.id, s.text, s.content_hash FROM src AS s ANTI JOIN kept AS r ON s.id = r.id "
                     "ORDER BY length(s.text)")
-            parts = ["SELECT id, content_hash, encoder_id, embedding FROM reusable"]
+            parts = ["SELECT id, content_hash, encoder_id, embedding FROM kept"]
             encode_seconds = 0.0
             if rows > reused:
                 encode_seconds = _embed_new_rows(con, todo, rows - reused, encoder, new_vectors, batch_size, progress)
