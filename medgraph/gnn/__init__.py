@@ -1,0 +1,1 @@
+"""GNNs: fanout neighbour sampling, the GAT encoder of HIIM, triple-classification pretraining."""
