@@ -45,7 +45,7 @@ test: install
 	$(BIN)/pytest
 
 demo: install $(DAGSTER_HOME)/dagster.yaml
-	$(BIN)/dagster asset materialize -m definitions --select '*'
+	$(BIN)/dagster asset materialize -m definitions --select '*' -c deploy/local/demo_run_config.yaml
 	$(BIN)/medgraph status
 
 ui: install $(DAGSTER_HOME)/dagster.yaml

@@ -14,12 +14,15 @@ class EncoderResource(dg.ConfigurableResource):
     device: str | None = None
     batch_size: int = 64
     max_length: int = 256
+    dtype: str = "float32"
+    """`bfloat16` is ~1.9x faster on CPUs with native bf16 (cosine to float32 >= 0.9999); part of encoder_id."""
     _encoder: Encoder | None = PrivateAttr(default=None)
 
     def load(self) -> Encoder:
         """The encoder, loaded once per process."""
         if self._encoder is None:
-            options: dict[str, object] = {"batch_size": self.batch_size, "max_length": self.max_length}
+            options: dict[str, object] = {"batch_size": self.batch_size, "max_length": self.max_length,
+                                          "dtype": self.dtype}
             if self.device:
                 options["device"] = self.device
             if self.query_model_dir:
