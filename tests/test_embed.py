@@ -283,3 +283,38 @@ def test_identical_texts_are_borrowed_from_another_embedding_table(small_kg: War
     for chunk_id, vector in zip(chunk_ids, chunk_vectors):
         if chunk_id != "chunk-new":
             np.testing.assert_array_equal(vector, by_node[chunk_id.removeprefix("chunk-")])
+
+
+def test_changing_one_definition_in_the_release_re_embeds_only_that_node(tiny_release: Path, tmp_path: Path,
+                                                                        encoder: Encoder):
+    """Release -> ingest -> dbt -> embeddings, twice: an edited MRDEF row re-embeds exactly one node text."""
+    import shutil
+
+    from conftest import ingest_release, run_dbt
+
+    from medgraph.storage import Lake
+    from medgraph.umls.ingest import ingest_rrf_file
+
+    release = Path(shutil.copytree(tiny_release, tmp_path / "release"))
+    home = tmp_path / "home"
+    warehouse = Warehouse(home / "warehouse.duckdb", Lake(home / "lake"))
+    ingest_release(release, warehouse)
+    run_dbt(home, "build", "--select", "+kg_node_text", "--indirect-selection", "cautious")
+    # A slice of nodes keeps the test fast; it includes Seizure, whose definition we edit.
+    source = ("SELECT cui, text FROM kg.kg_node_text WHERE cui = 'C0036572' OR cui IN "
+              "(SELECT cui FROM kg.kg_node_text ORDER BY cui LIMIT 30)")
+    first = embed_table(warehouse, source, "node_embeddings", encoder, id_column="cui", text_column="text")
+    assert first.embedded == first.rows == 31
+
+    mrdef = release / "MRDEF.RRF"
+    lines = mrdef.read_text(encoding="utf-8").splitlines(keepends=True)
+    (index,) = [i for i, line in enumerate(lines) if line.startswith("C0036572|")][:1]
+    fields = lines[index].split("|")
+    fields[5] = "A sudden, abnormal electrical disturbance of the brain (edited)."
+    lines[index] = "|".join(fields)
+    mrdef.write_text("".join(lines), encoding="utf-8")
+    ingest_rrf_file(release, "MRDEF", warehouse)
+    run_dbt(home, "build", "--select", "+kg_node_text", "--indirect-selection", "cautious")
+
+    second = embed_table(warehouse, source, "node_embeddings", encoder, id_column="cui", text_column="text")
+    assert (second.embedded, second.reused, second.removed) == (1, 30, 0)
