@@ -23,9 +23,9 @@ from pathlib import Path
 import duckdb
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from medgraph.kg.csr import build_graph_index  # noqa: E402
-from medgraph.kg.graph import KnowledgeGraph  # noqa: E402
-from medgraph.storage import Lake, Warehouse  # noqa: E402
+from medgraph.kg.csr import build_graph_index
+from medgraph.kg.graph import KnowledgeGraph
+from medgraph.storage import Lake, Warehouse
 
 SQL_ONE_HOP = """
     SELECT e.edge_id, e.src_cui, s.preferred_name, e.relation, e.dst_cui, d.preferred_name

@@ -19,11 +19,11 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from medgraph.embed.encoder import load_encoder  # noqa: E402
-from medgraph.embed.tables import embed_source  # noqa: E402
-from medgraph.retrieval import Retriever  # noqa: E402
-from medgraph.storage import Lake, Warehouse  # noqa: E402
-from medgraph.text.corpus import build_corpus_chunks  # noqa: E402
+from medgraph.embed.encoder import load_encoder
+from medgraph.embed.tables import embed_source
+from medgraph.retrieval import Retriever
+from medgraph.storage import Lake, Warehouse
+from medgraph.text.corpus import build_corpus_chunks
 
 DEFAULT_PUBMEDQA = Path(__file__).resolve().parents[2] / "shared" / "data" / "pubmedqa" / "pqal_dev.json"
 

@@ -87,6 +87,18 @@ class Warehouse:
         finally:
             con.close()
 
+    @contextmanager
+    def scratch(self) -> Iterator[duckdb.DuckDBPyConnection]:
+        """An in-memory DuckDB for heavy lifting (parsing, joins, Parquet writing) that spills under
+        the lake and never holds the warehouse's single-writer lock."""
+        spill = self.lake.root / ".duckdb_tmp"
+        spill.mkdir(parents=True, exist_ok=True)
+        con = duckdb.connect(":memory:", config={**self._config(), "temp_directory": str(spill)})
+        try:
+            yield con
+        finally:
+            con.close()
+
     def _config(self) -> dict[str, str]:
         config = {"memory_limit": self.memory_limit, "preserve_insertion_order": "false"}
         if self.threads:

@@ -18,9 +18,9 @@ from pathlib import Path
 
 os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
 
-import mlflow  # noqa: E402
-from mlflow import MlflowClient  # noqa: E402
-from mlflow.exceptions import MlflowException  # noqa: E402
+import mlflow
+from mlflow import MlflowClient
+from mlflow.exceptions import MlflowException
 
 log = logging.getLogger(__name__)
 

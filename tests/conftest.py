@@ -12,8 +12,8 @@ os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
 os.environ.setdefault("DAGSTER_DISABLE_TELEMETRY", "true")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from medgraph.storage import Lake, Warehouse  # noqa: E402
-from medgraph.umls.synthetic import write_synthetic_release  # noqa: E402
+from medgraph.storage import Lake, Warehouse
+from medgraph.umls.synthetic import write_synthetic_release
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SHARED_DATA = REPO_ROOT.parent / "shared" / "data"

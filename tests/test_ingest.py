@@ -7,8 +7,8 @@ import shutil
 from pathlib import Path
 
 import pytest
-
 from conftest import replace_line
+
 from medgraph.storage import Warehouse
 from medgraph.umls.filters import IngestFilters
 from medgraph.umls.ingest import RrfFormatError, ingest_rrf_file

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import dagster as dg
 import pytest
-
 from conftest import copy_warehouse
+
 from medgraph.kg.csr import build_graph_index
 from medgraph.kg.graph import KnowledgeGraph
 from medgraph.storage import Warehouse

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import dagster as dg
 import pytest
-
 from conftest import REPO_ROOT, replace_line
+
 from platform_assets import umls
 from resources import UmlsReleaseResource, WarehouseResource
 

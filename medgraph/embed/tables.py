@@ -14,8 +14,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -93,22 +92,6 @@ class EmbedStats:
             "texts_per_second": round(self.embedded / self.encode_seconds) if self.encode_seconds > 0 else 0,
             "parquet_path": self.parquet_path,
         }
-
-
-@contextmanager
-def _scratch_connection(warehouse: Warehouse) -> Iterator[duckdb.DuckDBPyConnection]:
-    """An in-memory DuckDB that spills to the lake: it never holds the warehouse's lock."""
-    spill = warehouse.lake.root / ".duckdb_tmp"
-    spill.mkdir(parents=True, exist_ok=True)
-    config = {"memory_limit": warehouse.memory_limit, "preserve_insertion_order": "false",
-              "temp_directory": str(spill)}
-    if warehouse.threads:
-        config["threads"] = str(warehouse.threads)
-    con = duckdb.connect(":memory:", config=config)
-    try:
-        yield con
-    finally:
-        con.close()
 
 
 def _snapshot_source(warehouse: Warehouse, source_sql: str, id_column: str, text_column: str, path: Path) -> None:
@@ -196,7 +179,7 @@ def embed_table(
     encoder_id = sql_literal(encoder.encoder_id)
     try:
         _snapshot_source(warehouse, source_sql, id_column, text_column, snapshot)
-        with _scratch_connection(warehouse) as con:
+        with warehouse.scratch() as con:
             con.execute(f"CREATE VIEW src AS SELECT * FROM read_parquet({sql_literal(str(snapshot))})")
             rows, distinct, null_ids = con.execute(
                 "SELECT count(*), count(DISTINCT id), count(*) FILTER (WHERE id IS NULL) FROM src").fetchone()

@@ -10,7 +10,6 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import duckdb
-
 import numpy as np
 
 from medgraph.kg.csr import GraphIndex, build_graph_index

@@ -20,7 +20,8 @@ import duckdb
 from medgraph.storage import Lake, Warehouse, quote_ident, sql_literal
 from medgraph.umls.filters import IngestFilters
 from medgraph.umls.release import RrfSource, rrf_source
-from medgraph.umls.schema import INTEGER_COLUMNS, MRSAB, RrfLayout, layout as layout_named
+from medgraph.umls.schema import INTEGER_COLUMNS, MRSAB, RrfLayout
+from medgraph.umls.schema import layout as layout_named
 
 log = logging.getLogger(__name__)
 
@@ -98,17 +99,6 @@ def _read_csv_sql(source: RrfSource, rejects: bool) -> str:
     if rejects:
         options += ", store_rejects=true, rejects_table='rrf_reject_errors', rejects_scan='rrf_reject_scans'"
     return f"read_csv({files}, {options})"
-
-
-def _scratch_connection(warehouse: Warehouse) -> duckdb.DuckDBPyConnection:
-    """An in-memory DuckDB for the heavy lifting: it never holds the warehouse's write lock."""
-    spill = warehouse.lake.root / ".duckdb_tmp"
-    spill.mkdir(parents=True, exist_ok=True)
-    config = {"memory_limit": warehouse.memory_limit, "preserve_insertion_order": "false",
-              "temp_directory": str(spill)}
-    if warehouse.threads:
-        config["threads"] = str(warehouse.threads)
-    return duckdb.connect(":memory:", config=config)
 
 
 def _field_count_error(row: str, expected: int) -> str:
@@ -192,7 +182,7 @@ def ingest_rrf_file(
     predicates = filters.predicates(layout)
     lake: Lake = warehouse.lake
 
-    with _scratch_connection(warehouse) as con:
+    with warehouse.scratch() as con:
         # Pass 1: validate every row (typed columns included, so a bad integer
         # is caught here) and count what each filter keeps.
         kept_so_far = "TRUE"
