@@ -3,7 +3,7 @@
 import dagster as dg
 
 from medgraph.embed.index import VectorIndex
-from medgraph.embed.tables import EMBEDDING_SOURCES, embed_table
+from medgraph.embed.tables import EMBEDDING_SOURCES, embed_table, embedding_source_sql
 from resources import EncoderResource, WarehouseResource
 
 INPUTS = {
@@ -24,14 +24,6 @@ class EmbeddingConfig(dg.Config):
     """edge_embeddings only: embed just the edges of these relations (default: all)."""
 
 
-def source_sql(target: str, relations: list[str] | None) -> str:
-    sql = EMBEDDING_SOURCES[target].sql
-    if target == "edge_embeddings" and relations:
-        quoted = ", ".join("'" + r.replace("'", "''") + "'" for r in relations)
-        sql += f" WHERE e.relation IN ({quoted})"
-    return sql
-
-
 def _embedding_asset(target: str) -> dg.AssetsDefinition:
     @dg.asset(
         key_prefix=["embeddings"],
@@ -49,7 +41,8 @@ def _embedding_asset(target: str) -> dg.AssetsDefinition:
                encoder: EncoderResource) -> dg.MaterializeResult:
         store = warehouse.open()
         source = EMBEDDING_SOURCES[target]
-        stats = embed_table(store, source_sql(target, config.relations), target, encoder.load(), id_column=source.id_column,
+        stats = embed_table(store, embedding_source_sql(target, config.relations), target, encoder.load(),
+                            id_column=source.id_column,
                             text_column=source.text_column, progress=True,
                             reuse_from=["node_embeddings"] if target == "chunk_embeddings" else ())
         context.log.info(f"{target}: embedded {stats.embedded}, reused {stats.reused}, removed {stats.removed}")

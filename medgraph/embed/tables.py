@@ -63,6 +63,15 @@ EMBEDDING_SOURCES: dict[str, EmbeddingSource] = {
 }
 
 
+
+def embedding_source_sql(target: str, relations: Sequence[str] | None = None) -> str:
+    """The source query of one of EMBEDDING_SOURCES; for edges, optionally only some relations
+    (a full release has ~50M edges, and a laptop demo embeds a subset)."""
+    sql = EMBEDDING_SOURCES[target].sql
+    if target == "edge_embeddings" and relations:
+        sql += f" WHERE e.relation IN ({', '.join(sql_literal(r) for r in relations)})"
+    return sql
+
 @dataclass
 class EmbedStats:
     """What one run of `embed_table` did; becomes Dagster metadata."""

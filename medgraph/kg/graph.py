@@ -138,7 +138,8 @@ class KnowledgeGraph:
         sources = index.positions(sorted(set(cuis)))
         edges = index.out_edges(sources[sources >= 0])
         if relations is not None:
-            wanted = {i for i, (_, _, name) in enumerate(index.relations) if name in set(relations)}
+            names = set(relations)
+            wanted = {i for i, (_, _, name) in enumerate(index.relations) if name in names}
             edges = edges[np.isin(index.relation[edges], list(wanted))]
         src = index.sources(edges)
         if limit_per_node is not None and len(edges):
