@@ -1,7 +1,7 @@
 """GAT pretraining on the CPU: training throughput (edges/s) and peak memory vs graph size.
 
 - throughput: `train_gat`'s data path on a MEDGRAPH_HOME with the KG marts and
-  `embeddings.node_embeddings` (`--warehouse`), with the `demo` profile for a fixed
+  `embeddings.node_description_embeddings` (`--warehouse`), with the `demo` profile for a fixed
   number of steps; without `--warehouse`, a synthetic graph of the demo release's
   size (50k nodes, 680k edges) with random 384-d features;
 - memory: synthetic UMLS-like graphs of increasing size (nodes = edges / 7, every
@@ -99,7 +99,7 @@ def throughput(args: argparse.Namespace) -> None:
         warehouse = Warehouse(home / "warehouse.duckdb", Lake(home / "lake"))
         index = build_graph_index(warehouse)
         features = node_features(warehouse.lake, index)
-        source = f"{home} (node_embeddings)"
+        source = f"{home} (node_description_embeddings)"
     else:
         index = synthetic_graph_index(DEMO_EDGES, DEMO_NODES)
         features = random_features(index.num_nodes)

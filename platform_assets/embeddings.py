@@ -8,12 +8,14 @@ from resources import EncoderResource, WarehouseResource
 
 INPUTS = {
     "node_embeddings": [dg.AssetKey(["kg", "kg_node_text"])],
+    "node_description_embeddings": [dg.AssetKey(["kg", "kg_node_text"])],
     "edge_embeddings": [dg.AssetKey(["kg", "kg_edges"]), dg.AssetKey(["kg", "kg_nodes"])],
     # After node_embeddings: KG chunks are node texts, whose vectors are borrowed, not recomputed.
     "chunk_embeddings": [dg.AssetKey(["text", "corpus_chunks"]), dg.AssetKey(["embeddings", "node_embeddings"])],
 }
 DESCRIPTIONS = {
-    "node_embeddings": "One vector per KG node text (what `search_nodes` and the GAT's node features use).",
+    "node_embeddings": "One vector per KG node text (what `search_nodes` uses).",
+    "node_description_embeddings": "One vector per node description without relations (the GAT's node features).",
     "edge_embeddings": "One vector per triple text 'head relation tail' (what A2RAG's GSRM scores).",
     "chunk_embeddings": "One vector per corpus chunk (dense half of hybrid text search).",
 }
@@ -55,6 +57,6 @@ def _embedding_asset(target: str) -> dg.AssetsDefinition:
     return _embed
 
 
-embedding_assets = [_embedding_asset(target) for target in ("node_embeddings", "edge_embeddings", "chunk_embeddings")]
+embedding_assets = [_embedding_asset(target) for target in EMBEDDING_SOURCES]
 
 defs = dg.Definitions(assets=embedding_assets)

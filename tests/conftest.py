@@ -154,12 +154,23 @@ def encoder():
 
 
 @pytest.fixture(scope="session")
-def retrieval_warehouse(kg_warehouse: Warehouse, encoder, tmp_path_factory: pytest.TempPathFactory) -> Warehouse:
-    """The tiny KG plus corpus chunks (BM25 index) and node, edge and chunk embeddings. Read-only."""
+def gat_warehouse(kg_warehouse: Warehouse, encoder, tmp_path_factory: pytest.TempPathFactory) -> Warehouse:
+    """The tiny KG plus `embeddings.node_description_embeddings` (the GAT's node features). Read-only."""
+    from medgraph.embed.tables import embed_source
+
+    warehouse = copy_warehouse(kg_warehouse, tmp_path_factory.mktemp("gat") / "home")
+    embed_source(warehouse, "node_description_embeddings", encoder)
+    return warehouse
+
+
+@pytest.fixture(scope="session")
+def retrieval_warehouse(gat_warehouse: Warehouse, encoder, tmp_path_factory: pytest.TempPathFactory) -> Warehouse:
+    """The tiny KG plus corpus chunks (BM25 index) and node, node-description, edge and chunk
+    embeddings. Read-only."""
     from medgraph.embed.tables import EMBEDDING_SOURCES, embed_source, embed_table
     from medgraph.text.corpus import build_corpus_chunks
 
-    warehouse = copy_warehouse(kg_warehouse, tmp_path_factory.mktemp("retrieval") / "home")
+    warehouse = copy_warehouse(gat_warehouse, tmp_path_factory.mktemp("retrieval") / "home")
     build_corpus_chunks(warehouse)
     for target in ("node_embeddings", "chunk_embeddings"):
         embed_source(warehouse, target, encoder)

@@ -14,10 +14,7 @@ import mlflow
 import numpy as np
 import pytest
 import torch
-from conftest import copy_warehouse
 
-from medgraph.embed.encoder import load_encoder
-from medgraph.embed.tables import embed_source
 from medgraph.gnn.model import GatModel
 from medgraph.gnn.sampling import CsrGraph, NeighborSampler, sample_neighbors
 from medgraph.gnn.train import (
@@ -50,14 +47,6 @@ def one_thread() -> Iterator[None]:
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(previous)
-
-
-@pytest.fixture(scope="module")
-def gat_warehouse(kg_warehouse: Warehouse, tmp_path_factory: pytest.TempPathFactory) -> Warehouse:
-    """The tiny KG with `embeddings.node_embeddings`, embedded once for the module."""
-    warehouse = copy_warehouse(kg_warehouse, tmp_path_factory.mktemp("gat") / "home")
-    embed_source(warehouse, "node_embeddings", load_encoder("minilm", max_length=16))
-    return warehouse
 
 
 @pytest.fixture(scope="module")
@@ -176,7 +165,8 @@ def test_training_beats_chance_and_an_untrained_model(gat_warehouse: Warehouse, 
     untrained = train_gat(gat_warehouse, replace(CONFIG, epochs=0))
     m, u = result.metrics, untrained.metrics
     print(f"\ntrained   {m}\nuntrained {u}\ntimings   {result.timings}")
-    assert m["test_roc_auc"] >= 0.80 and m["test_roc_auc"] > u["test_roc_auc"] + 0.2
+    # Relation-free node features: ~0.80 after 75 steps (features listing relations gave ~0.86 by leaking).
+    assert m["test_roc_auc"] >= 0.75 and m["test_roc_auc"] > u["test_roc_auc"] + 0.2
     assert m["test_mrr"] > 2 * u["test_mrr"] and m["test_hits_at_10"] > u["test_hits_at_10"] + 0.3
     assert m["test_accuracy"] > 0.7
     assert [h["epoch"] for h in result.history] == [0, 1, 2] and m["steps"] == 75

@@ -44,8 +44,12 @@ class EmbeddingSource:
 
 # The three embedding tables of the platform, defined in one place.
 EMBEDDING_SOURCES: dict[str, EmbeddingSource] = {
-    # One readable text per KG node (name, synonyms, types, definition, relations).
+    # One readable text per KG node (name, synonyms, types, definition, relations): dense node search.
     "node_embeddings": EmbeddingSource("SELECT cui, text FROM kg.kg_node_text", "cui", "text"),
+    # What a node is without its relations: the GAT's input features. Node texts list a node's
+    # relations, so features made from them would spell out held-out edges to the model.
+    "node_description_embeddings": EmbeddingSource("SELECT cui, description FROM kg.kg_node_text", "cui",
+                                                   "description"),
     # A triple as a short sentence, "<head> <relation> <tail>": what GSRM scores against the question.
     "edge_embeddings": EmbeddingSource(
         """

@@ -29,6 +29,12 @@ class GatModel(nn.Module):
         super().__init__()
         if hidden % heads:
             raise ValueError(f"hidden ({hidden}) must be divisible by heads ({heads})")
+        # What a loaded model needs to be used on new triples, travelling with its weights: the
+        # relation label of every relation code, and which embedding table (and encoder) made the
+        # node features. Set by training.
+        self.relation_names: tuple[str, ...] = ()
+        self.feature_table: str = ""
+        self.feature_encoder_id: str = ""
         self.dropout = dropout
         self.project = nn.Linear(in_dim, hidden)
         self.relation = nn.Embedding(num_relations, hidden)  # e_r of the triple scorer and graph tokens
@@ -64,6 +70,14 @@ class GatModel(nn.Module):
             # Residual: a node whose edges were held out still carries its own features.
             h = h + F.elu(conv(h, edge_index, edge_attr))
         return h
+
+    def relation_codes(self, relations: Sequence[str]) -> Tensor:
+        """Relation labels -> the codes the model was trained with (an unknown label is an error)."""
+        codes = {name: i for i, name in enumerate(self.relation_names)}
+        missing = sorted({r for r in relations if r not in codes})
+        if missing:
+            raise KeyError(f"relations unknown to this GAT (trained on {len(codes)}): {missing[:5]}")
+        return torch.tensor([codes[r] for r in relations], dtype=torch.long)
 
     def triple_vector(self, z_head: Tensor, relation: Tensor, z_tail: Tensor) -> Tensor:
         """(m, hidden) vectors of triples from the states of their ends and their relation codes."""

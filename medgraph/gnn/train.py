@@ -230,7 +230,10 @@ def prepare_graph(index: GraphIndex, config: GatConfig) -> PreparedGraph:
     )
 
 
-def node_features(lake: Lake, index: GraphIndex, table: str = "node_embeddings") -> Tensor:
+FEATURE_TABLE = "node_description_embeddings"  # relation-free node texts: features that cannot leak edges
+
+
+def node_features(lake: Lake, index: GraphIndex, table: str = FEATURE_TABLE) -> Tensor:
     """(num_nodes, dim) float32 features aligned with the index; zeros for nodes without an embedding."""
     path = lake.table_path("embeddings", table)
     if not path.exists():
@@ -551,13 +554,14 @@ def fit_gat(data: PreparedGraph, features: Tensor, config: GatConfig,
                "edges_per_second": state["edges_seen"] / max(state["train_seconds"], 1e-9)}
     if log_fn:
         log_fn(state["step"], {**metrics, "edges_per_second": timings["edges_per_second"]})
+    model.relation_names = tuple(data.relations)
     return GatResult(model.cpu().eval(), metrics, state["history"], config, timings, data.sizes(),
                      data.relations)
 
 
 def train_gat(warehouse: Warehouse, config: GatConfig, checkpoint_dir: str | Path | None = None,
               resume: bool = True, log_fn: LogFn | None = None) -> GatResult:
-    """Pretrain the GAT on `kg.kg_edges` with `embeddings.node_embeddings` as node features.
+    """Pretrain the GAT on `kg.kg_edges` with `embeddings.node_description_embeddings` (relation-free) as node features.
 
     `checkpoint_dir` holds `last.pt` (model, optimizer, step, RNG states, config,
     split seed); with `resume`, a run continues from it. `log_fn(step, metrics)`
@@ -572,4 +576,15 @@ def train_gat(warehouse: Warehouse, config: GatConfig, checkpoint_dir: str | Pat
     log.info("gat data: %s in %.1fs", data.sizes(), load_seconds)
     result = fit_gat(data, features, config, checkpoint_dir, resume, log_fn)
     result.timings["load_seconds"] = load_seconds
+    result.model.feature_table = FEATURE_TABLE
+    result.model.feature_encoder_id = feature_encoder_id(warehouse)
     return result
+
+
+def feature_encoder_id(warehouse: Warehouse, table: str = FEATURE_TABLE) -> str:
+    """The encoder that made the node features (graph tokens of new triples must use the same one)."""
+    with warehouse.connect(read_only=True) as con:
+        ids = [row[0] for row in con.execute(f"SELECT DISTINCT encoder_id FROM embeddings.{table}").fetchall()]
+    if len(ids) != 1:
+        raise ValueError(f"embeddings.{table} mixes encoders {ids}: re-embed it with one encoder")
+    return ids[0]
