@@ -5,7 +5,7 @@ import dagster as dg
 
 import jobs
 import sensors
-from platform_assets import embeddings, kg, qa, text, umls
+from platform_assets import embeddings, kg, models, qa, text, umls
 from resources import build_resources
 
 defs = dg.Definitions.merge(
@@ -14,6 +14,7 @@ defs = dg.Definitions.merge(
     qa.defs,
     text.defs,
     embeddings.defs,
+    models.defs,
     jobs.defs,
     sensors.defs,
     # In-process by default: on a laptop the per-step process start costs more than it buys,

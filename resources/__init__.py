@@ -1,6 +1,7 @@
 """Dagster resources: one per external system, each a thin shell over medgraph/."""
 
 from resources.encoder import EncoderResource
+from resources.mlflow import MlflowResource
 from resources.warehouse import UmlsReleaseResource, WarehouseResource, build_resources
 
-__all__ = ["EncoderResource", "UmlsReleaseResource", "WarehouseResource", "build_resources"]
+__all__ = ["EncoderResource", "MlflowResource", "UmlsReleaseResource", "WarehouseResource", "build_resources"]

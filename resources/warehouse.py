@@ -54,10 +54,12 @@ def build_resources(settings: Settings | None = None) -> dict[str, dg.Configurab
 
     from platform_assets.dbt_project import DBT_EXECUTABLE, dbt_project
     from resources.encoder import EncoderResource
+    from resources.mlflow import default_mlflow_resource
 
     return {
         "warehouse": WarehouseResource(home=home),
         "dbt": DbtCliResource(project_dir=dbt_project, dbt_executable=DBT_EXECUTABLE),
         "release": UmlsReleaseResource(home=home, umls_dir=settings.umls_dir, profile=settings.profile),
         "encoder": EncoderResource(spec=settings.encoder),
+        "mlflow_tracking": default_mlflow_resource(settings.home, settings.mlflow_tracking_uri),
     }

@@ -1,0 +1,142 @@
+"""Trained models: the GAT pretrained on UMLS triples (and, built on it, the HIIM projector).
+
+Each model asset trains, logs to MLflow (`medgraph/<asset>`), registers a new
+version and moves the `champion` alias only if that version beats the
+current champion on the validation metric. Evaluation loads models by alias,
+so a worse retraining run is recorded but changes nothing downstream.
+"""
+
+import hashlib
+import json
+import shutil
+from pathlib import Path
+
+import dagster as dg
+import mlflow
+
+from medgraph.gnn.train import FEATURE_TABLE, GatConfig, GatResult, pick_device, train_gat
+from medgraph.settings import load_settings
+from resources import MlflowResource, WarehouseResource
+
+GAT_MODEL_NAME = "medgraph-gat"
+GAT_GATE_METRIC = "valid_roc_auc"
+GAT_INPUTS = [dg.AssetKey(["kg", "kg_edges"]), dg.AssetKey(["embeddings", FEATURE_TABLE]),
+              dg.AssetKey("umls_release")]
+
+
+class GatTrainingConfig(dg.Config):
+    profile: str | None = None
+    """tiny | demo | full (default: MEDGRAPH_PROFILE): model size, batch size, steps (GatConfig.profile)."""
+    epochs: int | None = None
+    steps_per_epoch: int | None = None
+    seed: int | None = None
+    device: str = "auto"
+    """auto: CUDA when present (with AMP), else the CPU."""
+    resume: bool = True
+    """Continue from the checkpoint an interrupted run with the same inputs and settings left behind."""
+
+    def gat_config(self) -> GatConfig:
+        overrides = {name: value for name, value in
+                     {"epochs": self.epochs, "steps_per_epoch": self.steps_per_epoch, "seed": self.seed}.items()
+                     if value is not None}
+        return GatConfig.profile(self.profile or load_settings().profile, device=self.device, progress=True,
+                                 **overrides)
+
+
+def _checkpoint_dir(home: Path, config: GatConfig, data_versions: dict[str, str]) -> Path:
+    """One folder per (settings, inputs): a retry resumes its own interrupted run, never another's."""
+    key = json.dumps({"config": {k: v for k, v in config.as_dict().items() if k not in ("progress", "device")},
+                      "inputs": data_versions}, sort_keys=True, default=str)
+    return home / "checkpoints" / "gat_model" / hashlib.sha256(key.encode()).hexdigest()[:16]
+
+
+def _history_markdown(result: GatResult) -> str:
+    lines = ["| epoch | step | train loss | valid ROC-AUC | seconds |", "|---|---|---|---|---|"]
+    lines += [f"| {int(r['epoch'])} | {int(r['step'])} | {r['train_loss']:.4f} | {r['valid_roc_auc']:.4f} "
+              f"| {r['seconds']:.1f} |" for r in result.history]
+    return "\n".join(lines)
+
+
+def _curve_figure(result: GatResult):  # -> matplotlib Figure
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    epochs = [int(r["epoch"]) for r in result.history]
+    fig, loss_axis = plt.subplots(figsize=(6, 3.5))
+    loss_axis.plot(epochs, [r["train_loss"] for r in result.history], "o-", color="tab:blue", label="train loss")
+    loss_axis.set_xlabel("epoch")
+    loss_axis.set_ylabel("train loss", color="tab:blue")
+    auc_axis = loss_axis.twinx()
+    auc_axis.plot(epochs, [r["valid_roc_auc"] for r in result.history], "s-", color="tab:orange")
+    auc_axis.set_ylabel("validation ROC-AUC", color="tab:orange")
+    fig.suptitle("GAT triple classification")
+    fig.tight_layout()
+    return fig
+
+
+@dg.asset(
+    key=["models", "gat_model"],
+    deps=GAT_INPUTS,
+    group_name="models",
+    kinds={"pytorch", "mlflow"},
+    pool="gpu",
+    code_version="1",
+    tags={"medgraph/accelerator": "gpu"},
+    automation_condition=dg.AutomationCondition.eager(),
+)
+def gat_model(context: dg.AssetExecutionContext, config: GatTrainingConfig, warehouse: WarehouseResource,
+              mlflow_tracking: MlflowResource) -> dg.MaterializeResult:
+    """A 2-layer GAT pretrained by triple classification on `kg.kg_edges` (relation-free node
+    descriptions as features), registered as MLflow model `medgraph-gat`; `champion` moves only
+    on a better validation ROC-AUC."""
+    gat_config = config.gat_config()
+    store = warehouse.open()
+    tracking = mlflow_tracking.tracking()
+    with mlflow_tracking.start_asset_run(context, GAT_INPUTS) as run:
+        data_versions = {k.removeprefix("data_version/"): v for k, v in run.data.tags.items()
+                         if k.startswith("data_version/")}
+        checkpoints = _checkpoint_dir(Path(warehouse.home), gat_config, data_versions)
+        mlflow.log_params({k: str(v) for k, v in gat_config.as_dict().items()})
+        mlflow.set_tag("checkpoint_dir", str(checkpoints))
+
+        def log_metrics(step: int, metrics: dict[str, float]) -> None:
+            mlflow.log_metrics({k: float(v) for k, v in metrics.items()}, step=step)
+            context.log.info(f"step {step}: " + ", ".join(f"{k}={v:.4g}" for k, v in metrics.items()))
+
+        result = train_gat(store, gat_config, checkpoint_dir=checkpoints, resume=config.resume,
+                           log_fn=log_metrics)
+        mlflow.log_metrics({**result.metrics, **{f"time_{k}": v for k, v in result.timings.items()}})
+        mlflow.log_params({f"graph_{k}": v for k, v in result.graph.items()})
+        mlflow.log_dict({"history": result.history, "relations": list(result.relations)}, "training.json")
+        mlflow.log_figure(_curve_figure(result), "training_curve.png")
+        logged_uri = tracking.log_torch_model(result.model, metadata={
+            "relations": len(result.relations), "feature_table": result.model.feature_table,
+            "feature_encoder_id": result.model.feature_encoder_id})
+        version = tracking.register(logged_uri, GAT_MODEL_NAME, tags={"dagster/run_id": context.run.run_id})
+        promotion = tracking.promote_if_better(GAT_MODEL_NAME, version, GAT_GATE_METRIC)
+        run_id = run.info.run_id
+    shutil.rmtree(checkpoints, ignore_errors=True)  # the model is in MLflow; checkpoints only serve a retry
+    context.log.info(promotion.reason)
+
+    metadata: dict[str, object] = {
+        "mlflow_run_id": run_id,
+        "model_uri": f"models:/{GAT_MODEL_NAME}/{version}",
+        "registered_model": GAT_MODEL_NAME,
+        "model_version": version,
+        "champion_uri": tracking.model_uri(GAT_MODEL_NAME),
+        **promotion.as_metadata(),
+        **{k: float(v) for k, v in result.metrics.items()},
+        "edges_per_second": result.timings["edges_per_second"],
+        "train_seconds": result.timings["train_seconds"],
+        "device": str(pick_device(gat_config.device)),
+        "history": dg.MetadataValue.md(_history_markdown(result)),
+    }
+    # Downstream assets use the champion, so its version is this asset's data version: a run that
+    # does not beat the champion changes nothing below it (and triggers nothing).
+    champion = tracking.champion_version(GAT_MODEL_NAME)
+    return dg.MaterializeResult(metadata=metadata, data_version=dg.DataVersion(f"{GAT_MODEL_NAME}@champion=v{champion}"))
+
+
+defs = dg.Definitions(assets=[gat_model])

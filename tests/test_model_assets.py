@@ -1,0 +1,87 @@
+"""Model assets in-process with real resources: DuckDB warehouse, SQLite MLflow registry, PyTorch."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import dagster as dg
+import mlflow
+import pytest
+import torch
+from conftest import copy_warehouse
+
+from medgraph.gnn.model import GatModel
+from medgraph.storage import Warehouse
+from platform_assets.models import GAT_MODEL_NAME, gat_model
+from resources import MlflowResource, WarehouseResource
+
+
+@pytest.fixture
+def home(gat_warehouse: Warehouse, tmp_path: Path) -> Path:
+    copy_warehouse(gat_warehouse, tmp_path / "home")
+    return tmp_path / "home"
+
+
+@pytest.fixture
+def resources(home: Path, mlflow_db: Path) -> dict[str, dg.ConfigurableResource]:
+    return {"warehouse": WarehouseResource(home=str(home)),
+            "mlflow_tracking": MlflowResource(tracking_uri=f"sqlite:///{mlflow_db}",
+                                              artifact_root=str(home / "artifacts"))}
+
+
+def train(resources: dict, instance: dg.DagsterInstance, **config: object) -> dict[str, dg.MetadataValue]:
+    torch.set_num_threads(1)
+    result = dg.materialize([gat_model], resources=resources, instance=instance, run_config=dg.RunConfig(
+        ops={"models__gat_model": {"config": {"profile": "tiny", **config}}}))
+    assert result.success
+    (materialization,) = result.asset_materializations_for_node("models__gat_model")
+    return materialization.metadata
+
+
+def test_gat_model_registers_a_champion_and_a_worse_run_does_not_move_it(resources: dict, home: Path):
+    instance = dg.DagsterInstance.ephemeral()
+    first = train(resources, instance, epochs=3, steps_per_epoch=25)
+    assert first["promoted"].value is True and first["model_version"].value == "1"
+    assert first["test_roc_auc"].value > 0.7  # well above chance (0.5); the exact value is in the run
+    run_id = first["mlflow_run_id"].value
+
+    tracking = resources["mlflow_tracking"].tracking()
+    run = tracking.client.get_run(run_id)
+    assert {"valid_roc_auc", "test_roc_auc", "test_mrr", "test_hits_at_10", "valid_accuracy"} <= set(run.data.metrics)
+    assert run.data.tags["dagster/asset_key"] == "models/gat_model"
+    assert {"data_version/kg/kg_edges", "data_version/umls_release"} <= set(run.data.tags)
+    assert tracking.client.get_experiment(run.info.experiment_id).name == "medgraph/gat_model"
+    artifacts = {a.path for a in tracking.client.list_artifacts(run_id)}
+    assert {"training_curve.png", "training.json"} <= artifacts
+    assert not any((home / "checkpoints" / "gat_model").glob("*/last.pt"))  # cleaned after success
+
+    worse = train(resources, instance, epochs=1, steps_per_epoch=1, seed=1)
+    assert worse["promoted"].value is False and worse["model_version"].value == "2"
+    assert worse["candidate_value"].value < worse["previous_champion_value"].value
+    assert tracking.champion_version(GAT_MODEL_NAME) == "1"
+    # The data version follows the champion, so a run that loses the gate changes nothing downstream.
+    records = instance.fetch_materializations(dg.AssetKey(["models", "gat_model"]), limit=2).records
+    versions = {r.asset_materialization.tags["dagster/data_version"] for r in records}
+    assert versions == {f"{GAT_MODEL_NAME}@champion=v1"}
+
+    mlflow.set_tracking_uri(tracking.tracking_uri)
+    model = mlflow.pytorch.load_model(f"models:/{GAT_MODEL_NAME}@champion")
+    assert isinstance(model, GatModel) and model.relation_names and model.feature_table
+    assert model.relation_codes(model.relation_names[:2]).tolist() == [0, 1]
+
+
+def test_a_failed_training_run_registers_nothing_and_is_marked_failed(resources: dict,
+                                                                     monkeypatch: pytest.MonkeyPatch):
+    import medgraph.gnn.train as train_module
+
+    def crash(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("simulated crash after the first epoch")
+
+    monkeypatch.setattr(train_module, "evaluate", crash)  # training runs, then the validation pass fails
+    result = dg.materialize([gat_model], resources=resources, raise_on_error=False, run_config=dg.RunConfig(
+        ops={"models__gat_model": {"config": {"profile": "tiny", "epochs": 1, "steps_per_epoch": 5}}}))
+    assert not result.success
+    tracking = resources["mlflow_tracking"].tracking()
+    assert tracking.champion_version(GAT_MODEL_NAME) is None
+    (run,) = tracking.client.search_runs([tracking.experiment_id("gat_model")])
+    assert run.info.status == "FAILED"
