@@ -14,9 +14,17 @@ from pathlib import Path
 import dagster as dg
 import mlflow
 
+from medgraph.gnn.graph_tokens import (
+    PROJECTOR_GATE_METRIC,
+    PROJECTOR_MODEL_NAME,
+    NodeFeatures,
+    ProjectorConfig,
+    load_examples,
+    train_projector,
+)
 from medgraph.gnn.train import FEATURE_TABLE, GatConfig, GatResult, pick_device, train_gat
 from medgraph.settings import load_settings
-from resources import MlflowResource, WarehouseResource
+from resources import LlmResource, MlflowResource, WarehouseResource
 
 GAT_MODEL_NAME = "medgraph-gat"
 GAT_GATE_METRIC = "valid_roc_auc"
@@ -139,4 +147,87 @@ def gat_model(context: dg.AssetExecutionContext, config: GatTrainingConfig, ware
     return dg.MaterializeResult(metadata=metadata, data_version=dg.DataVersion(f"{GAT_MODEL_NAME}@champion=v{champion}"))
 
 
-defs = dg.Definitions(assets=[gat_model])
+PROJECTOR_INPUTS = [dg.AssetKey(["models", "gat_model"]), dg.AssetKey(["qa", "qa_items"]),
+                    dg.AssetKey(["embeddings", FEATURE_TABLE])]
+
+
+class ProjectorTrainingConfig(dg.Config):
+    profile: str | None = None
+    """tiny | demo | full (default: MEDGRAPH_PROFILE): steps, batch size, validation questions."""
+    steps: int | None = None
+    batch_size: int | None = None
+    valid_items: int | None = None
+    seed: int = 0
+
+    def projector_config(self) -> ProjectorConfig:
+        overrides = {name: value for name, value in
+                     {"steps": self.steps, "batch_size": self.batch_size, "valid_items": self.valid_items}.items()
+                     if value is not None}
+        return ProjectorConfig.profile(self.profile or load_settings().profile, seed=self.seed, progress=True,
+                                       **overrides)
+
+
+@dg.asset(
+    key=["models", "hiim_projector"],
+    deps=PROJECTOR_INPUTS,
+    group_name="models",
+    kinds={"pytorch", "mlflow"},
+    pool="gpu",
+    code_version="1",
+    tags={"medgraph/accelerator": "gpu"},
+    automation_condition=dg.AutomationCondition.eager(),
+)
+def hiim_projector(context: dg.AssetExecutionContext, config: ProjectorTrainingConfig, warehouse: WarehouseResource,
+                   mlflow_tracking: MlflowResource, llm: LlmResource) -> dg.MaterializeResult:
+    """HIIM's W_proj: champion-GAT triple vectors -> the LLM's input-embedding space, trained on the
+    answer likelihood of `qa_items` (train split) with the LLM frozen; registered as
+    `medgraph-hiim-projector`, `champion` moving only on a lower validation answer NLL."""
+    projector_config = config.projector_config()
+    store = warehouse.open()
+    tracking = mlflow_tracking.tracking()
+    gat_version = tracking.champion_version(GAT_MODEL_NAME)
+    if gat_version is None:
+        raise dg.Failure(f"no {GAT_MODEL_NAME}@champion in {tracking.tracking_uri}: materialize models/gat_model first")
+    gat_uri = f"models:/{GAT_MODEL_NAME}/{gat_version}"  # pinned: the projector only fits this GAT
+    chat = llm.load()
+    with mlflow_tracking.start_asset_run(context, PROJECTOR_INPUTS) as run:
+        mlflow.log_params({**{k: str(v) for k, v in projector_config.as_dict().items()},
+                           "gat_model_uri": gat_uri, "llm": chat.name})
+        gat = mlflow.pytorch.load_model(gat_uri, map_location="cpu")
+        train_examples = load_examples(store, "train", projector_config)
+        valid_examples = load_examples(store, "validation", projector_config)
+        context.log.info(f"projector: {len(train_examples)} train / {len(valid_examples)} validation questions, "
+                         f"GAT {gat_uri}, LLM {chat.name}")
+
+        def log_metrics(step: int, metrics: dict[str, float]) -> None:
+            mlflow.log_metrics(metrics, step=step)
+
+        result = train_projector(chat, gat, NodeFeatures(store.lake, gat.feature_table), train_examples,
+                                 valid_examples, projector_config, log_fn=log_metrics)
+        result.projector.gat_model_uri = gat_uri
+        mlflow.log_metrics(result.metrics)
+        mlflow.log_dict({"history": result.history, "examples": result.examples}, "training.json")
+        logged_uri = tracking.log_torch_model(result.projector, metadata={"llm": chat.name, "gat_model_uri": gat_uri})
+        version = tracking.register(logged_uri, PROJECTOR_MODEL_NAME, tags={"dagster/run_id": context.run.run_id,
+                                                                            "llm": chat.name})
+        promotion = tracking.promote_if_better(PROJECTOR_MODEL_NAME, version, PROJECTOR_GATE_METRIC,
+                                               higher_is_better=False)
+        run_id = run.info.run_id
+    context.log.info(promotion.reason)
+    champion = tracking.champion_version(PROJECTOR_MODEL_NAME)
+    return dg.MaterializeResult(
+        metadata={
+            "mlflow_run_id": run_id,
+            "model_uri": f"models:/{PROJECTOR_MODEL_NAME}/{version}",
+            "model_version": version,
+            "gat_model_uri": gat_uri,
+            "llm": chat.name,
+            **promotion.as_metadata(),
+            **result.metrics,
+            **{f"{k}_questions": v for k, v in result.examples.items()},
+        },
+        data_version=dg.DataVersion(f"{PROJECTOR_MODEL_NAME}@champion=v{champion}"),
+    )
+
+
+defs = dg.Definitions(assets=[gat_model, hiim_projector])

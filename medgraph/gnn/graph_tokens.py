@@ -1,0 +1,321 @@
+"""HIIM graph tokens: retrieved triples -> GAT triple vectors -> W_proj -> the LLM's input-embedding space.
+
+A2RAG's HIIM (DESIGN.md) places one soft token per retrieved triple after the
+text of the prompt, z = GNN([emb(h); emb(r); emb(t)]) projected by W_proj. The
+GAT is the pretrained champion (frozen); W_proj is trained here with the LLM
+frozen too, by the likelihood of the gold answer given the question and the
+graph tokens of its evidence triples (gold path plus distracting neighbours).
+The prompt holds the question only, so whatever lowers the answer loss must
+come through the graph tokens.
+
+A registered projector records the GAT version it was trained with and the
+LLM it speaks to: `load_champion_graph_tokenizer` pairs them again, and
+declines (returns None, so A2RAG falls back to text) for any other LLM.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import random
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field, replace
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from tqdm.auto import tqdm
+
+from medgraph.embed.tables import read_embeddings
+from medgraph.gnn.model import GatModel
+from medgraph.kg.graph import KnowledgeGraph, Triple
+from medgraph.llm.base import ChatModel, Message, system, user
+from medgraph.storage import Lake, Warehouse
+
+log = logging.getLogger(__name__)
+
+PROJECTOR_MODEL_NAME = "medgraph-hiim-projector"
+PROJECTOR_GATE_METRIC = "valid_answer_nll"  # lower is better
+SYSTEM_PROMPT = ("You are a biomedical expert. Knowledge-graph facts relevant to the question are given "
+                 "as graph tokens after it. Answer with the correct option.")
+
+
+class HiimProjector(nn.Module):
+    """W_proj: GAT triple vectors (gat_hidden) -> LLM input embeddings (llm_hidden).
+
+    The output is rescaled to the typical norm of the LLM's token embeddings, so
+    graph tokens start on the scale the LLM's first layer expects.
+    """
+
+    def __init__(self, gat_hidden: int, llm_hidden: int, token_norm: float):
+        super().__init__()
+        self.proj = nn.Linear(gat_hidden, llm_hidden)
+        self.register_buffer("token_norm", torch.tensor(float(token_norm)))
+        # Provenance that travels with the weights (set by training).
+        self.llm_name: str = ""
+        self.gat_model_uri: str = ""
+
+    def forward(self, triple_vectors: Tensor) -> Tensor:
+        projected = self.proj(triple_vectors)
+        return F.normalize(projected, dim=-1) * self.token_norm
+
+
+class NodeFeatures:
+    """Node feature vectors by CUI, from the embedding table the GAT was trained on."""
+
+    def __init__(self, lake: Lake, table: str):
+        ids, vectors = read_embeddings(lake, table)
+        self.table = table
+        self.row = {str(cui): i for i, cui in enumerate(ids)}
+        self.vectors = torch.from_numpy(np.array(vectors, dtype=np.float32))  # a writable copy
+
+    def __call__(self, cuis: Sequence[str]) -> Tensor:
+        """(len(cuis), dim); zeros for a CUI without an embedding (a node added since)."""
+        out = torch.zeros(len(cuis), self.vectors.shape[1])
+        known = [(i, self.row[c]) for i, c in enumerate(cuis) if c in self.row]
+        if known:
+            at, rows = zip(*known, strict=True)
+            out[list(at)] = self.vectors[list(rows)]
+        return out
+
+
+class GraphTokenizer:
+    """Triples -> (n, llm_hidden) graph tokens, with the GAT run over the triples' own subgraph."""
+
+    def __init__(self, gat: GatModel, projector: HiimProjector, features: NodeFeatures):
+        self.gat = gat.eval()
+        self.projector = projector
+        self.features = features
+
+    def triple_vectors(self, triples: Sequence[Triple]) -> Tensor:
+        """(n, gat_hidden) frozen GAT encodings z = GNN([emb(h); emb(r); emb(t)])."""
+        nodes = list(dict.fromkeys(c for t in triples for c in (t.src_cui, t.dst_cui)))
+        local = {cui: i for i, cui in enumerate(nodes)}
+        heads = torch.tensor([local[t.src_cui] for t in triples], dtype=torch.long)
+        tails = torch.tensor([local[t.dst_cui] for t in triples], dtype=torch.long)
+        relations = self.gat.relation_codes([t.relation for t in triples])
+        with torch.no_grad():
+            return self.gat.encode_triples(self.features(nodes), heads, relations, tails)
+
+    def encode(self, triples: Sequence[Triple]) -> Tensor:
+        """Graph tokens for `triples` (at least one), ready for `ChatModel.generate(graph_tokens=...)`."""
+        if not triples:
+            raise ValueError("graph tokens need at least one triple")
+        vectors = self.triple_vectors(triples)
+        return self.projector(vectors.to(self.projector.proj.weight.device))
+
+
+# --- training ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ProjectorConfig:
+    steps: int = 200
+    batch_size: int = 8
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    distractors: int = 8  # 1-hop triples of the question's entities added to its gold path
+    max_triples: int = 24
+    valid_items: int = 64  # validation questions scored after training (and before, as the baseline)
+    eval_every: int = 50
+    seed: int = 0
+    progress: bool = False
+
+    @classmethod
+    def profile(cls, name: str, **overrides: object) -> ProjectorConfig:
+        if name not in PROJECTOR_PROFILES:
+            raise ValueError(f"unknown projector profile {name!r}: one of {', '.join(PROJECTOR_PROFILES)}")
+        return replace(PROJECTOR_PROFILES[name], **overrides)
+
+    def as_dict(self) -> dict[str, object]:
+        return asdict(self)
+
+
+PROJECTOR_PROFILES = {
+    "tiny": ProjectorConfig(steps=20, batch_size=4, valid_items=16, eval_every=10, distractors=4),
+    "demo": ProjectorConfig(steps=120, batch_size=8, valid_items=64, eval_every=40, progress=True),
+    "full": ProjectorConfig(steps=2000, batch_size=16, valid_items=500, eval_every=250, progress=True),
+}
+
+
+@dataclass(frozen=True)
+class ProjectorExample:
+    qid: str
+    question: str
+    options: dict[str, str]
+    answer: str  # the reply the LLM should give: "B: Hypertension", or the short answer
+    triples: tuple[Triple, ...]
+
+
+@dataclass
+class ProjectorResult:
+    projector: HiimProjector
+    metrics: dict[str, float]  # valid_answer_nll (with graph tokens), valid_answer_nll_text_only, ...
+    history: list[dict[str, float]] = field(default_factory=list)
+    examples: dict[str, int] = field(default_factory=dict)
+
+
+def question_prompt(question: str, options: dict[str, str]) -> list[Message]:
+    lines = [f"Question: {question}"]
+    lines += [f"{letter}: {text}" for letter, text in sorted(options.items())]
+    return [system(SYSTEM_PROMPT), user("\n".join(lines))]
+
+
+def load_examples(warehouse: Warehouse, split: str, config: ProjectorConfig) -> list[ProjectorExample]:
+    """`qa.qa_items` of one split with their evidence: gold path triples plus shuffled distractors."""
+    import json
+
+    with warehouse.connect(read_only=True) as con:
+        rows = con.execute("SELECT qid, question, options, answer, acceptable_answers, gold_path, seed_cuis "
+                           "FROM qa.qa_items WHERE split = ? ORDER BY qid", [split]).fetchall()
+    rng = random.Random(config.seed)
+    graph = KnowledgeGraph(warehouse)
+    try:
+        gold = {t.edge_id: t for t in graph.triples({e for row in rows for e in row[5]})}
+        examples = []
+        for qid, question, options_json, answer, acceptable, gold_path, seed_cuis in rows:
+            options = json.loads(options_json) if options_json else {}
+            evidence = [gold[e] for e in gold_path if e in gold]
+            if not evidence:
+                continue
+            nearby = [t for t in graph.one_hop(list(seed_cuis), limit_per_node=4 * config.distractors)
+                      if t.edge_id not in set(gold_path)]
+            triples = evidence + rng.sample(nearby, min(config.distractors, len(nearby)))
+            rng.shuffle(triples)
+            reply = f"{answer}: {options[answer]}" if options else (list(acceptable) or [answer])[0]
+            examples.append(ProjectorExample(qid, question, options, reply, tuple(triples[: config.max_triples])))
+    finally:
+        graph.close()
+    return examples
+
+
+def answer_nll(llm: ChatModel, examples: Sequence[ProjectorExample], graph_tokens: Sequence[Tensor | None]) -> Tensor:
+    """Mean per-token negative log-likelihood of each example's answer (B,), the LLM frozen.
+
+    Prompt rows come left-padded from `prompt_embeddings`; the answer tokens are
+    appended on the right (right-padded), with positions counted from each row's
+    first real token.
+    """
+    from medgraph.llm.hf import left_padded_position_ids
+
+    embed = llm.model.get_input_embeddings()
+    prompts, prompt_mask = llm.prompt_embeddings([question_prompt(e.question, e.options) for e in examples],
+                                                 graph_tokens)
+    eos = llm.tokenizer.eos_token or ""
+    answers = [llm.tokenizer(e.answer + eos, add_special_tokens=False)["input_ids"] for e in examples]
+    width = max(len(a) for a in answers)
+    answer_ids = torch.full((len(examples), width), llm.pad_id, dtype=torch.long)
+    answer_mask = torch.zeros(len(examples), width, dtype=torch.long)
+    for i, ids in enumerate(answers):
+        answer_ids[i, : len(ids)] = torch.tensor(ids)
+        answer_mask[i, : len(ids)] = 1
+    answer_ids, answer_mask = answer_ids.to(prompts.device), answer_mask.to(prompts.device)
+    inputs = torch.cat([prompts, embed(answer_ids)], dim=1)
+    mask = torch.cat([prompt_mask, answer_mask], dim=1)
+    logits = llm.model(inputs_embeds=inputs, attention_mask=mask,
+                       position_ids=left_padded_position_ids(mask)).logits
+    # The logit at position p predicts token p + 1: answer token j is predicted at prompt_len - 1 + j.
+    start = prompts.shape[1] - 1
+    predicted = logits[:, start: start + width].float()
+    token_nll = F.cross_entropy(predicted.transpose(1, 2), answer_ids, reduction="none")
+    return (token_nll * answer_mask).sum(1) / answer_mask.sum(1)
+
+
+def _mean_nll(llm: ChatModel, tokenizer: GraphTokenizer | None, examples: Sequence[ProjectorExample],
+              batch_size: int) -> float:
+    total = 0.0
+    with torch.no_grad():
+        for start in range(0, len(examples), batch_size):
+            batch = examples[start: start + batch_size]
+            tokens = [tokenizer.encode(e.triples) for e in batch] if tokenizer else None
+            total += float(answer_nll(llm, batch, tokens).sum())
+    return total / max(len(examples), 1)
+
+
+def token_embedding_norm(llm: ChatModel) -> float:
+    weight = llm.model.get_input_embeddings().weight.detach().float()
+    return float(weight.norm(dim=-1).median())
+
+
+def train_projector(llm: ChatModel, gat: GatModel, features: NodeFeatures, train: Sequence[ProjectorExample],
+                    valid: Sequence[ProjectorExample], config: ProjectorConfig,
+                    log_fn: Callable[[int, dict[str, float]], None] | None = None) -> ProjectorResult:
+    """Train W_proj (only) on answer likelihood; report validation NLL with graph tokens and text-only."""
+    if not getattr(llm, "supports_graph_tokens", False) or not hasattr(llm, "prompt_embeddings"):
+        raise TypeError(f"{llm.name}: training W_proj needs an in-process transformers model (graph tokens)")
+    if not train or not valid:
+        raise ValueError(f"projector training needs train and validation questions with gold paths "
+                         f"(found {len(train)} train, {len(valid)} validation): materialize qa/qa_items")
+    torch.manual_seed(config.seed)
+    llm.model.requires_grad_(False)
+    gat.requires_grad_(False)
+    token_norm = token_embedding_norm(llm)
+    projector = HiimProjector(gat.triple.out_features, llm.hidden_size, token_norm)
+    projector.llm_name = llm.name
+    projector.to(llm.model.device)
+    tokenizer = GraphTokenizer(gat, projector, features)
+    optimizer = torch.optim.AdamW(projector.parameters(), lr=config.lr, weight_decay=config.weight_decay)
+    valid = list(valid)[: config.valid_items]
+    # Frozen GAT: each training question's triple vectors are computed once.
+    cached = {e.qid: tokenizer.triple_vectors(e.triples) for e in train}
+    text_only = _mean_nll(llm, None, valid, config.batch_size)
+    history = [{"step": 0, "valid_answer_nll": _mean_nll(llm, tokenizer, valid, config.batch_size)}]
+    log.info("projector: text-only valid NLL %.4f, untrained graph tokens %.4f (token norm %.3f)",
+             text_only, history[0]["valid_answer_nll"], token_norm)
+    rng = random.Random(config.seed)
+    started = time.perf_counter()
+    for step in tqdm(range(1, config.steps + 1), desc="hiim projector", disable=not config.progress):
+        batch = rng.sample(list(train), min(config.batch_size, len(train)))
+        tokens = [projector(cached[e.qid].to(llm.model.device)) for e in batch]
+        loss = answer_nll(llm, batch, tokens).mean()
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        record = {"train_answer_nll": float(loss.detach())}
+        if step % config.eval_every == 0 or step == config.steps:
+            record["valid_answer_nll"] = _mean_nll(llm, tokenizer, valid, config.batch_size)
+            history.append({"step": step, **record})
+        if log_fn:
+            log_fn(step, record)
+    seconds = time.perf_counter() - started
+    best = history[-1]["valid_answer_nll"]
+    metrics = {"valid_answer_nll": best, "valid_answer_nll_text_only": text_only,
+               "valid_answer_nll_untrained": history[0]["valid_answer_nll"],
+               "valid_nll_gain_over_text_only": text_only - best,
+               "train_seconds": seconds, "steps_per_second": config.steps / max(seconds, 1e-9)}
+    if not math.isfinite(best):
+        raise FloatingPointError(f"projector training diverged: validation NLL {best}")
+    return ProjectorResult(projector.cpu().eval(), metrics, history,
+                           {"train": len(train), "valid": len(valid)})
+
+
+# --- loading the registered pair --------------------------------------------------------------------------
+
+
+def load_champion_graph_tokenizer(llm: ChatModel, warehouse: Warehouse | None = None,
+                                  tracking_uri: str | None = None) -> GraphTokenizer | None:
+    """The champion projector and the GAT it was trained with, for `llm`; None (with the reason
+    logged) when none is registered, or it was trained for another LLM, or `llm` takes no graph tokens."""
+    import mlflow
+
+    from medgraph.settings import load_settings
+    from medgraph.tracking import Tracking
+
+    if not llm.supports_graph_tokens:
+        log.info("HIIM off: %s takes text only", llm.name)
+        return None
+    settings = load_settings()
+    tracking = Tracking(tracking_uri or settings.mlflow_tracking_uri, str(settings.home / "artifacts"))
+    if tracking.champion_version(PROJECTOR_MODEL_NAME) is None:
+        log.info("HIIM off: no %s@champion in %s", PROJECTOR_MODEL_NAME, tracking.tracking_uri)
+        return None
+    mlflow.set_tracking_uri(tracking.tracking_uri)
+    projector = mlflow.pytorch.load_model(tracking.model_uri(PROJECTOR_MODEL_NAME), map_location="cpu")
+    if projector.llm_name != llm.name or projector.proj.out_features != llm.hidden_size:
+        log.info("HIIM off: the champion projector speaks to %s, not %s", projector.llm_name, llm.name)
+        return None
+    gat = mlflow.pytorch.load_model(projector.gat_model_uri, map_location="cpu")
+    warehouse = warehouse or Warehouse(settings.warehouse_path, Lake(settings.lake_root))
+    return GraphTokenizer(gat, projector.to(llm.model.device), NodeFeatures(warehouse.lake, gat.feature_table))
