@@ -1,5 +1,7 @@
-"""Sensors: new UMLS release, registry alias changes (added as their assets land)."""
+"""Sensors: a new or changed UMLS release requests ingestion (registry sensors join with the evaluations)."""
 
 import dagster as dg
 
-defs = dg.Definitions()
+from sensors.release import umls_release_sensor
+
+defs = dg.Definitions(sensors=[umls_release_sensor])

@@ -1,0 +1,152 @@
+"""Benchmarks as data: the embedded KG-derived test split, MIRAGE, PubMedQA and generic JSONL files.
+
+A benchmark spec (config or `MEDGRAPH_BENCHMARK`) names one or more sources,
+comma-separated:
+
+    kg                               the embedded KG-derived test split ($MEDGRAPH_HOME/qa/qa_items.test.json)
+    mirage:PATH[#medqa+pubmedqa]     a MIRAGE `benchmark.json` (any subset of its datasets)
+    pubmedqa:PATH                    a PubMedQA `ori_pqal.json`-style file (yes/no/maybe)
+    jsonl:PATH[#name]                one JSON object per line: question, options, answer (and optional id)
+
+Every source yields QaItems grouped by dataset name; dataset names become the
+evaluation assets' static partitions. Bad input names the file, the line or
+question id, and what was expected.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from medgraph.kg.qa import QaItem, load_mirage
+
+PUBMEDQA_OPTIONS = {"A": "yes", "B": "no", "C": "maybe"}
+KINDS = ("kg", "mirage", "pubmedqa", "jsonl")
+
+
+class BenchmarkFormatError(ValueError):
+    """A benchmark file that does not have the expected shape (the message says where and what)."""
+
+
+@dataclass(frozen=True)
+class BenchmarkSource:
+    kind: str  # kg | mirage | pubmedqa | jsonl
+    path: Path | None
+    datasets: tuple[str, ...] = ()  # mirage: the subset to keep; jsonl: the dataset name (one)
+
+
+def parse_benchmark_spec(spec: str, home: Path) -> list[BenchmarkSource]:
+    """`kg,mirage:/data/benchmark.json#medqa+bioasq` -> sources. Relative paths are from the cwd."""
+    sources = []
+    for part in (p.strip() for p in spec.split(",")):
+        if not part:
+            continue
+        if part == "kg":
+            sources.append(BenchmarkSource("kg", home / "qa" / "qa_items.test.json"))
+            continue
+        kind, sep, rest = part.partition(":")
+        if not sep or kind not in KINDS:
+            raise ValueError(f"benchmark spec {part!r}: expected kg, mirage:PATH[#datasets], pubmedqa:PATH "
+                             f"or jsonl:PATH[#name]")
+        path, _, selector = rest.partition("#")
+        datasets = tuple(d for d in selector.split("+") if d)
+        sources.append(BenchmarkSource(kind, Path(path).expanduser(), datasets))
+    if not sources:
+        raise ValueError("empty benchmark spec: name at least one source (e.g. `kg`)")
+    return sources
+
+
+def load_pubmedqa(path: Path, dataset: str = "pubmedqa") -> list[QaItem]:
+    """PubMedQA `ori_pqal.json`: {pmid: {QUESTION, CONTEXTS, final_decision, ...}} as yes/no/maybe items.
+
+    The abstract (CONTEXTS) is kept in `extra["contexts"]`, not in the question: like MIRAGE's
+    PubMedQA*, methods must retrieve their evidence.
+    """
+    data = _read_json(path)
+    if not isinstance(data, dict):
+        raise BenchmarkFormatError(f"{path}: expected an object of PubMed ids, found {type(data).__name__}")
+    letter_of = {text: letter for letter, text in PUBMEDQA_OPTIONS.items()}
+    items = []
+    for pmid, entry in data.items():
+        if not isinstance(entry, dict) or "QUESTION" not in entry or "final_decision" not in entry:
+            raise BenchmarkFormatError(f"{path}: entry {pmid}: expected QUESTION and final_decision")
+        decision = str(entry["final_decision"]).strip().lower()
+        if decision not in letter_of:
+            raise BenchmarkFormatError(f"{path}: entry {pmid}: final_decision {decision!r} is not yes, no or maybe")
+        items.append(QaItem(dataset=dataset, qid=str(pmid), question=str(entry["QUESTION"]),
+                            options=dict(PUBMEDQA_OPTIONS), answer=letter_of[decision], pmids=(str(pmid),),
+                            extra={"contexts": list(entry.get("CONTEXTS") or []),
+                                   "long_answer": entry.get("LONG_ANSWER", "")}))
+    return items
+
+
+def load_jsonl(path: Path, dataset: str | None = None) -> list[QaItem]:
+    """One question per line: {"question", "options" (object, may be empty), "answer", optional "id"}."""
+    dataset = dataset or path.stem
+    items = []
+    with open(path, encoding="utf-8") as handle:
+        for number, line in enumerate(handle, start=1):
+            if not line.strip():
+                continue
+            try:
+                entry = json.loads(line)
+            except json.JSONDecodeError as error:
+                raise BenchmarkFormatError(f"{path}:{number}: not valid JSON ({error.msg})") from None
+            missing = [k for k in ("question", "answer") if k not in entry]
+            if missing:
+                raise BenchmarkFormatError(f"{path}:{number}: expected fields question, options, answer; "
+                                           f"missing {missing}")
+            options = entry.get("options") or {}
+            if not isinstance(options, Mapping):
+                raise BenchmarkFormatError(f"{path}:{number}: options must be an object of letter -> text")
+            options = {str(k): str(v) for k, v in options.items()}
+            answer = str(entry["answer"])
+            if options and answer not in options:
+                raise BenchmarkFormatError(f"{path}:{number}: answer {answer!r} is not one of {sorted(options)}")
+            items.append(QaItem(dataset=dataset, qid=str(entry.get("id", number)), question=str(entry["question"]),
+                                options=options, answer=answer,
+                                acceptable_answers=tuple(str(a) for a in entry.get("acceptable_answers") or ())))
+    return items
+
+
+def load_source(source: BenchmarkSource) -> list[QaItem]:
+    if source.path is None or not source.path.is_file():
+        hint = " (materialize qa/qa_items first)" if source.kind == "kg" else ""
+        raise FileNotFoundError(f"benchmark file {source.path} does not exist{hint}")
+    if source.kind in ("kg", "mirage"):
+        try:
+            return load_mirage(source.path, source.datasets or None)
+        except (TypeError, ValueError) as error:
+            raise BenchmarkFormatError(str(error)) from None
+    if source.kind == "pubmedqa":
+        return load_pubmedqa(source.path)
+    return load_jsonl(source.path, source.datasets[0] if source.datasets else None)
+
+
+def load_benchmark(spec: str, home: Path, limit_per_dataset: int | None = None) -> dict[str, list[QaItem]]:
+    """Items of every source by dataset name, in file order (optionally the first N of each)."""
+    by_dataset: dict[str, list[QaItem]] = {}
+    for source in parse_benchmark_spec(spec, home):
+        for item in load_source(source):
+            by_dataset.setdefault(item.dataset, []).append(item)
+    if limit_per_dataset is not None:
+        by_dataset = {name: items[:limit_per_dataset] for name, items in by_dataset.items()}
+    duplicates = {name for name, items in by_dataset.items() if len({i.qid for i in items}) != len(items)}
+    if duplicates:
+        raise BenchmarkFormatError(f"datasets {sorted(duplicates)} repeat question ids (two sources share a name?)")
+    return by_dataset
+
+
+def dataset_names(spec: str, home: Path) -> Sequence[str]:
+    """The dataset names a spec yields (reads the files: partitions must match what evaluation sees)."""
+    return sorted(load_benchmark(spec, home))
+
+
+def _read_json(path: Path) -> object:
+    try:
+        with open(path, encoding="utf-8") as handle:
+            return json.load(handle)
+    except json.JSONDecodeError as error:
+        raise BenchmarkFormatError(f"{path}:{error.lineno}: not valid JSON ({error.msg})") from None

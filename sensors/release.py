@@ -1,0 +1,30 @@
+"""Watch the UMLS release location; request `umls_ingest` when its content fingerprint changes.
+
+The cursor is the fingerprint last acted on, so an unchanged release (or one
+touched without a content change) requests nothing, and the run key makes a
+repeated evaluation of the same change idempotent.
+"""
+
+import dagster as dg
+
+from jobs import umls_ingest_job
+from medgraph.umls.release import MissingRrfFileError, release_fingerprint
+from resources import UmlsReleaseResource
+
+
+@dg.sensor(job=umls_ingest_job, minimum_interval_seconds=300, default_status=dg.DefaultSensorStatus.STOPPED,
+           description="Requests UMLS ingestion when the release at MEDGRAPH_UMLS_DIR appears or changes.")
+def umls_release_sensor(context: dg.SensorEvaluationContext, release: UmlsReleaseResource) -> dg.SensorResult:
+    try:
+        path = release.path()
+        fingerprint = release_fingerprint(path)
+    except (FileNotFoundError, MissingRrfFileError) as error:
+        return dg.SensorResult(skip_reason=f"no complete release: {error}")
+    if fingerprint == context.cursor:
+        return dg.SensorResult(skip_reason=f"release at {path} unchanged ({fingerprint})")
+    context.log.info(f"release at {path}: fingerprint {context.cursor or 'none'} -> {fingerprint}")
+    return dg.SensorResult(
+        run_requests=[dg.RunRequest(run_key=f"umls-release-{fingerprint}",
+                                    tags={"medgraph/release_fingerprint": fingerprint, "medgraph/release_path": str(path)})],
+        cursor=fingerprint,
+    )

@@ -1,0 +1,42 @@
+"""Sensors evaluated directly with build_sensor_context and real resources."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import dagster as dg
+
+from resources import UmlsReleaseResource
+from sensors.release import umls_release_sensor
+
+
+def evaluate(release: UmlsReleaseResource, cursor: str | None) -> dg.SensorResult:
+    context = dg.build_sensor_context(cursor=cursor, resources={"release": release})
+    return umls_release_sensor(context)
+
+
+def test_release_sensor_requests_ingestion_only_when_the_release_changes(tiny_release: Path, tmp_path: Path):
+    release_dir = Path(shutil.copytree(tiny_release, tmp_path / "META"))
+    release = UmlsReleaseResource(home=str(tmp_path), umls_dir=str(release_dir))
+
+    first = evaluate(release, None)
+    assert len(first.run_requests) == 1 and first.cursor
+    assert first.run_requests[0].run_key == f"umls-release-{first.cursor}"
+
+    unchanged = evaluate(release, first.cursor)
+    assert not unchanged.run_requests and "unchanged" in unchanged.skip_reason.skip_message
+
+    (release_dir / "MRDEF.RRF").touch()  # a new mtime, the same content: still nothing to do
+    assert not evaluate(release, first.cursor).run_requests
+
+    with open(release_dir / "MRDEF.RRF", "a", encoding="utf-8") as handle:
+        handle.write("C0000001|A0000001|AT0000001||MSH|A new definition.|N||\n")
+    changed = evaluate(release, first.cursor)
+    assert len(changed.run_requests) == 1 and changed.cursor != first.cursor
+
+
+def test_release_sensor_skips_while_the_release_is_missing(tmp_path: Path):
+    missing = UmlsReleaseResource(home=str(tmp_path), umls_dir=str(tmp_path / "not-there"))
+    result = evaluate(missing, None)
+    assert not result.run_requests and "not a directory" in result.skip_reason.skip_message
