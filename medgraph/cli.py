@@ -7,7 +7,16 @@ in `_parser()`; `main` dispatches on the `handler` default each subparser sets.
 from __future__ import annotations
 
 import argparse
+import json
+import sys
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from medgraph.llm.base import ChatModel
+    from medgraph.methods.a2rag import GraphTokenizer
+    from medgraph.methods.common import MethodResult
+    from medgraph.storage import Warehouse
 
 
 def _cmd_sample_release(args: argparse.Namespace) -> int:
@@ -48,6 +57,124 @@ def _cmd_status(args: argparse.Namespace) -> int:
     return 0
 
 
+def _parse_options(pairs: Sequence[str]) -> dict[str, str]:
+    """`--option A="text"` values -> {"A": "text"}; letters are upper-cased and must be unique."""
+    options: dict[str, str] = {}
+    for pair in pairs:
+        letter, sep, text = pair.partition("=")
+        letter = letter.strip().upper()
+        if not sep or not letter or not text.strip():
+            raise SystemExit(f"medgraph ask: --option takes LETTER=TEXT, got {pair!r}")
+        if letter in options:
+            raise SystemExit(f"medgraph ask: option {letter} given twice")
+        options[letter] = text.strip()
+    return options
+
+
+def _parse_overrides(pairs: Sequence[str]) -> dict[str, object]:
+    """`--set key=value` values; a value is read as JSON when it can be (numbers, booleans, lists)."""
+    overrides: dict[str, object] = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key.strip():
+            raise SystemExit(f"medgraph ask: --set takes KEY=VALUE, got {pair!r}")
+        try:
+            overrides[key.strip()] = json.loads(value)
+        except json.JSONDecodeError:
+            overrides[key.strip()] = value
+        if isinstance(overrides[key.strip()], list):
+            overrides[key.strip()] = tuple(overrides[key.strip()])
+    return overrides
+
+
+def _champion_graph_tokenizer(llm: ChatModel, warehouse: Warehouse) -> GraphTokenizer | None:
+    """HIIM's graph tokenizer when a projector for this LLM is registered; None means text-only."""
+    try:
+        from medgraph.gnn.graph_tokens import load_champion_graph_tokenizer
+    except ImportError:
+        return None
+    try:
+        return load_champion_graph_tokenizer(llm, warehouse)
+    except Exception as error:  # noqa: BLE001 - a broken registry must not stop a question being answered
+        print(f"medgraph ask: HIIM graph tokens unavailable ({error}); answering text-only", file=sys.stderr)
+        return None
+
+
+def _print_trace(result: MethodResult) -> None:
+    """Every step of the run, readable: action, arguments, what was retrieved, the model's output, cost."""
+    from rich.console import Console
+    from rich.panel import Panel
+    from rich.table import Table
+    from rich.text import Text
+
+    console = Console()
+    for step in result.steps:
+        body = Text()
+        if step.arguments:
+            body.append("arguments  ", style="bold")
+            body.append(json.dumps(step.arguments, ensure_ascii=False, default=str) + "\n")
+        if step.retrieved_ids:
+            shown = ", ".join(step.retrieved_ids[:8]) + (" ..." if len(step.retrieved_ids) > 8 else "")
+            body.append("retrieved  ", style="bold")
+            body.append(f"{len(step.retrieved_ids)}: {shown}\n")
+        if step.output:
+            body.append("output\n", style="bold")
+            body.append(step.output.strip() + "\n")
+        if step.observation:
+            shown = step.observation if len(step.observation) <= 1500 else step.observation[:1500] + " ..."
+            body.append("observation\n", style="bold cyan")
+            body.append(shown.strip() + "\n")
+        if step.notes:
+            body.append("note  ", style="bold yellow")
+            body.append(step.notes + "\n")
+        cost = f"{step.prompt_tokens} prompt + {step.completion_tokens} completion tokens, {step.latency_s:.2f}s"
+        console.print(Panel(body, title=f"step {step.index}: {step.action}", subtitle=cost, title_align="left"))
+    stats = Table(title=f"{result.method} statistics", show_header=False)
+    for key, value in result.stats.items():
+        stats.add_row(key, json.dumps(value, default=str) if not isinstance(value, str) else value)
+    console.print(stats)
+
+
+def _cmd_ask(args: argparse.Namespace) -> int:
+    """Answer one question with one method over the warehouse's KG and corpus; optionally show the trace."""
+    from medgraph.embed.encoder import load_encoder
+    from medgraph.kg.qa import QaItem
+    from medgraph.llm import load_llm
+    from medgraph.methods import make_config, method_of, run_method
+    from medgraph.retrieval import Retriever
+    from medgraph.settings import load_settings
+    from medgraph.storage import Lake, Warehouse
+
+    settings = load_settings()
+    warehouse = Warehouse(settings.warehouse_path, Lake(settings.lake_root))
+    if not warehouse.path.exists():
+        print(f"no warehouse at {warehouse.path}: build the platform first (`make demo`)", file=sys.stderr)
+        return 1
+    item = QaItem(dataset="ask", qid="ask", question=args.question, options=_parse_options(args.option), answer="")
+    try:
+        config = make_config(args.method, _parse_overrides(args.set))
+    except (ValueError, TypeError) as error:
+        print(f"medgraph ask: {error}", file=sys.stderr)
+        return 2
+    llm = load_llm(args.llm)
+    graph_tokenizer = _champion_graph_tokenizer(llm, warehouse) if method_of(args.method) == "a2rag" else None
+    with Retriever(warehouse, load_encoder(settings.encoder)) as retriever:
+        (result,) = run_method(args.method, [item], retriever, llm, config, graph_tokenizer=graph_tokenizer)
+    llm.close()
+    if args.json:
+        payload = {k: v for k, v in result.as_dict().items() if k not in ("answer", "correct", "f1")}
+        print(json.dumps(payload, ensure_ascii=False, indent=1, default=str))
+        return 0
+    if args.trace:
+        _print_trace(result)
+    if result.prediction is None:
+        print("answer: (none: the model's reply could not be parsed)")
+        return 2
+    text = item.options.get(result.prediction)
+    print(f"answer: {result.prediction}" + (f". {text}" if text else ""))
+    return 0
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="medgraph", description="MedGraph: UMLS knowledge graph and GraphRAG.")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -61,6 +188,20 @@ def _parser() -> argparse.ArgumentParser:
 
     status = commands.add_parser("status", help="show where the state is (MEDGRAPH_HOME) and the tables it holds")
     status.set_defaults(handler=_cmd_status)
+
+    ask = commands.add_parser("ask", help="answer one question with a method and show its trace")
+    ask.add_argument("question", help="the question text")
+    ask.add_argument("--option", action="append", default=[], metavar='LETTER="TEXT"',
+                     help='a multiple-choice option, e.g. --option A="amlodipine" (repeat; none: short answer)')
+    ask.add_argument("--method", default="a2rag",
+                     help="a2rag, graph-r1, sema-rag, cot, rag, irag, or a named ablation such as a2rag-no-gsrm "
+                          "(medgraph.methods.ABLATIONS); default: a2rag")
+    ask.add_argument("--llm", default=None, help="LLM spec (default: MEDGRAPH_LLM, smollm2-135m-instruct)")
+    ask.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                     help="a method configuration field, e.g. --set tau=0.6 --set max_steps=3 (repeat)")
+    ask.add_argument("--trace", action="store_true", help="print the step-by-step trace")
+    ask.add_argument("--json", action="store_true", help="print the result (trace included) as JSON")
+    ask.set_defaults(handler=_cmd_ask)
     return parser
 
 

@@ -1,0 +1,358 @@
+"""A2RAG: adaptive agentic graph RAG (DESIGN.md "The three methods").
+
+- AWC, the agent workflow controller: a ReAct loop in which the model picks one
+  tool per step from {T_KG, T_Text, T_Final}; which sources a question used
+  (KG-only, Text-only, KG+Text, none) is recorded.
+- GSRM, graph self-refinement (T_KG): entities E_q of the question and
+  options; G_init = their 1-hop triples; each triple is scored by
+  cosine(emb("h r t"), emb(q)); the entities of triples scoring >= tau are
+  expanded by one hop; K times; the top-N triples are returned.
+- HIIM: the retrieved triples also enter the final answer call as graph tokens
+  (a GAT plus a projection into the LLM's input embeddings) when a projector is
+  registered and the backend takes `inputs_embeds`; otherwise the answer is
+  text-only, and the result says which.
+
+Ablations are configuration: `use_awc=False` runs the fixed plan
+T_KG -> T_Text -> T_Final; `retrieval="one_hop"` scores G_init without
+expansion and `retrieval="edge_search"` takes the nearest triples of the whole
+edge index instead of GSRM; `use_hiim=False` answers from text only.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Generator, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal, Protocol
+
+from medgraph.kg.graph import Triple
+from medgraph.kg.qa import QaItem
+from medgraph.llm.base import ChatModel, GenerationConfig, Message, assistant, system, user
+from medgraph.methods.agent import Episode, Generate, Request, ToolCall, ToolOutput
+from medgraph.methods.common import (
+    Step,
+    answer_instruction,
+    finish_result,
+    format_passages,
+    format_question,
+    format_triples,
+    gold_edge_ids,
+    step_from_completion,
+)
+from medgraph.methods.tools import KnowledgeTools, Passage
+
+if TYPE_CHECKING:
+    from torch import Tensor
+
+T_KG, T_TEXT, T_FINAL = "T_KG", "T_Text", "T_Final"
+
+
+class GraphTokenizer(Protocol):
+    """HIIM's encoder: triples -> graph tokens (n, llm.hidden_size) in the LLM's input-embedding space."""
+
+    def encode(self, triples: Sequence[Triple]) -> Tensor: ...
+
+
+@dataclass(frozen=True)
+class A2RagConfig:
+    use_awc: bool = True  # False: fixed plan T_KG -> T_Text -> T_Final
+    retrieval: Literal["gsrm", "one_hop", "edge_search"] = "gsrm"  # the two others are "without GSRM"
+    use_hiim: bool = True  # False: text-only answers even when a graph tokenizer is available
+    max_steps: int = 4  # AWC decisions; the answer is forced after the last
+    tau: float = 0.5  # GSRM expansion threshold (tune on validation only)
+    iterations: int = 2  # GSRM K
+    top_n: int = 50  # GSRM N
+    max_triples_per_relation: int | None = 50  # hub guard per (entity, relation); None: every edge
+    text_k: int = 5  # passages per T_Text call
+    observe_triples: int = 15  # triples an AWC observation shows (the answer sees `context_triples`)
+    context_triples: int = 30
+    max_new_tokens: int = 96
+    demonstration: bool = True  # one worked AWC exchange before the question (small models follow it)
+
+
+@dataclass
+class GsrmResult:
+    """The refined subgraph of one question and how it grew."""
+
+    triples: list[tuple[Triple, float]]  # top-N, best first
+    sizes: list[int]  # |G| at G_init and after each expansion
+    frontier_sizes: list[int]  # entities expanded at each iteration
+    entities: list[str]  # E_q
+    # All of G before the top-N cut, in the order triples joined: G after iteration k is subgraph[:sizes[k]].
+    subgraph: list[Triple] = field(default_factory=list, repr=False)
+    gold_recall: float | None = None  # share of gold-path triples in the top-N (when gold is known)
+    subgraph_gold_recall: float | None = None  # ... anywhere in G before the top-N cut
+    recall_by_iteration: list[float] | None = None  # ... in G_init, then in G after each expansion
+
+    def stats(self) -> dict[str, object]:
+        return {"gsrm_sizes": self.sizes, "gsrm_frontiers": self.frontier_sizes,
+                "gsrm_iterations": len(self.frontier_sizes), "gsrm_entities": len(self.entities),
+                "gsrm_returned": len(self.triples), "gsrm_gold_recall": self.gold_recall,
+                "gsrm_subgraph_gold_recall": self.subgraph_gold_recall,
+                "gsrm_recall_by_iteration": self.recall_by_iteration}
+
+
+def gsrm_refine(tools: KnowledgeTools, entity_sets: Sequence[Sequence[str]], queries: Sequence[str],
+                tau: float = 0.5, iterations: int = 2, top_n: int = 50,
+                per_relation_limit: int | None = None) -> list[GsrmResult]:
+    """Graph self-refinement for a batch of questions: grow each 1-hop subgraph through the entities
+    of triples scoring >= tau, `iterations` times, then keep each question's top_n triples."""
+    query_vectors = tools.query_vectors(queries)
+    graphs = [{t.edge_id: t for t in hop} for hop in tools.one_hop(entity_sets, per_relation_limit)]
+    expanded = [set(entities) for entities in entity_sets]
+    results = [GsrmResult([], [len(g)], [], list(e)) for g, e in zip(graphs, entity_sets)]
+    active = set(range(len(graphs)))
+    for _ in range(iterations):
+        tools.triple_vectors([t for i in active for t in graphs[i].values()])  # one encode for the batch
+        frontiers: dict[int, set[str]] = {}
+        for i in sorted(active):
+            triples = list(graphs[i].values())
+            scores = tools.score_triples(triples, query_vectors[i])
+            reached = {c for t, s in zip(triples, scores) if s >= tau for c in (t.src_cui, t.dst_cui)}
+            if reached - expanded[i]:
+                frontiers[i] = reached - expanded[i]
+        active = set(frontiers)
+        if not active:
+            break
+        hops = tools.one_hop([sorted(frontiers[i]) for i in sorted(active)], per_relation_limit)
+        for i, hop in zip(sorted(active), hops):
+            graphs[i].update((t.edge_id, t) for t in hop)
+            expanded[i] |= frontiers[i]
+            results[i].sizes.append(len(graphs[i]))
+            results[i].frontier_sizes.append(len(frontiers[i]))
+    tools.triple_vectors([t for g in graphs for t in g.values()])
+    for i, graph in enumerate(graphs):
+        triples = list(graph.values())
+        scores = tools.score_triples(triples, query_vectors[i])
+        order = sorted(range(len(triples)), key=lambda j: (-scores[j], triples[j].edge_id))[:top_n]
+        results[i].triples = [(triples[j], float(scores[j])) for j in order]
+        results[i].subgraph = triples
+    return results
+
+
+def record_gold_recall(tools: KnowledgeTools, results: Sequence[GsrmResult],
+                       gold_paths: Sequence[Sequence[str] | None]) -> None:
+    """Set each result's recall of its gold-path triples, matched as (head, relation, tail) so that
+    a fact stored by two sources counts once."""
+    wanted = {edge for path in gold_paths if path for edge in path}
+    keys = {t.edge_id: (t.src_cui, t.relation, t.dst_cui) for t in tools.retriever.graph.triples(wanted)}
+    for result, path in zip(results, gold_paths):
+        gold = {keys[e] for e in path or () if e in keys}
+        if not gold:
+            continue
+        result.gold_recall = _recall(gold, [t for t, _ in result.triples])
+        result.subgraph_gold_recall = _recall(gold, result.subgraph)
+        result.recall_by_iteration = [_recall(gold, result.subgraph[:size]) for size in result.sizes]
+
+
+def _recall(gold: set[tuple[str, str, str]], triples: Sequence[Triple]) -> float:
+    return len(gold & {(t.src_cui, t.relation, t.dst_cui) for t in triples}) / len(gold)
+
+
+# --------------------------------------------------------------------------- prompts and parsing
+
+AWC_SYSTEM = f"""You are a medical expert who answers questions with the help of tools.
+Tools:
+{T_KG}: facts (head, relation, tail) about the question's concepts from the UMLS knowledge graph.
+{T_TEXT}: passages from medical texts; you may give a search query in brackets, e.g. {T_TEXT}[drugs for gout].
+{T_FINAL}: you have enough evidence; stop and answer.
+Each turn, reply with exactly two lines:
+Thought: <one short sentence>
+Action: {T_KG} or {T_TEXT}[query] or {T_FINAL}"""
+
+# Small models follow a format they are shown far more reliably than one they are told.
+AWC_DEMONSTRATION = (
+    user("Question: Which of the following may treat gout?\nOptions:\nA. allopurinol\nB. insulin"),
+    assistant(f"Thought: I need facts about gout and these drugs.\nAction: {T_KG}"),
+)
+
+ANSWER_SYSTEM = "You are a medical expert. Answer the question; use the evidence when it is relevant."
+GRAPH_TOKENS_NOTE = " The knowledge-graph facts are also given as graph tokens after the question."
+
+_TOOL_NAMES = {"kg": T_KG, "text": T_TEXT, "final": T_FINAL, "answer": T_FINAL}
+_ACTION = re.compile(r"action\s*[:=]?\s*\**\s*(?:t[_\- ]?)?(kg|text|final|answer)\b\s*(?:[\[(](.*?)[\])])?",
+                     re.IGNORECASE)
+_ANY_TOOL = re.compile(r"\bt[_\- ]?(kg|text|final)\b", re.IGNORECASE)
+
+
+def parse_tool_choice(text: str) -> tuple[str, str] | None:
+    """(tool, argument) from an AWC reply: "Action: T_Text[query]" (or T-KG, KG, Final ...), else the
+    first tool named anywhere, else an answer tag (T_Final); None when no tool is named."""
+    match = _ACTION.search(text) or _ANY_TOOL.search(text)
+    if match:
+        argument = match.group(2) if match.re is _ACTION and match.group(2) else ""
+        return _TOOL_NAMES[match.group(1).lower()], argument.strip().strip("\"'")
+    if re.search(r"<\s*answer\s*>", text, re.IGNORECASE):
+        return T_FINAL, ""
+    return None
+
+
+def routing_of(tools_used: set[str]) -> str:
+    """KG-only, Text-only, KG+Text or none: which knowledge sources a question drew on."""
+    kg, text = T_KG in tools_used, T_TEXT in tools_used
+    return "KG+Text" if kg and text else "KG-only" if kg else "Text-only" if text else "none"
+
+
+@dataclass
+class _Evidence:
+    triples: list[tuple[Triple, float]] = field(default_factory=list)
+    passages: list[Passage] = field(default_factory=list)
+    queries: list[str] = field(default_factory=list)
+
+    def add_passages(self, found: Sequence[Passage]) -> list[Passage]:
+        seen = {p.chunk_id for p in self.passages}
+        new = [p for p in found if p.chunk_id not in seen]
+        self.passages += new
+        return new
+
+
+# --------------------------------------------------------------------------- the method
+
+
+class A2Rag:
+    """Builds one A2RAG episode per question; tools run batched across the questions of a step."""
+
+    name = "a2rag"
+
+    def __init__(self, tools: KnowledgeTools, llm: ChatModel, config: A2RagConfig = A2RagConfig(),
+                 graph_tokenizer: GraphTokenizer | None = None):
+        self.tools, self.llm, self.config = tools, llm, config
+        self.graph_tokenizer = graph_tokenizer
+        self.generation = GenerationConfig(max_new_tokens=config.max_new_tokens)
+
+    # -- batched tools --------------------------------------------------------------------------------
+    def knowledge_graph(self, items: list[QaItem]) -> list[GsrmResult]:
+        """T_KG for a batch of questions: GSRM (or an ablation's retrieval)."""
+        config = self.config
+        if config.retrieval == "edge_search":
+            hits = self.tools.retriever.search_edges([item.question for item in items], k=config.top_n)
+            results = [GsrmResult(list(row), [len(row)], [], [], [t for t, _ in row]) for row in hits]
+        else:
+            entities = self.tools.question_entities(items)
+            iterations = config.iterations if config.retrieval == "gsrm" else 0
+            results = gsrm_refine(self.tools, entities, [item.question for item in items], config.tau,
+                                  iterations, config.top_n, config.max_triples_per_relation)
+        record_gold_recall(self.tools, results, [gold_edge_ids(item) for item in items])
+        return results
+
+    def text(self, queries: list[str]) -> list[list[Passage]]:
+        """T_Text for a batch of queries."""
+        return self.tools.passages(queries, k=self.config.text_k)
+
+    # -- one question ----------------------------------------------------------------------------------
+    def episode(self, item: QaItem) -> Episode:
+        config = self.config
+        steps: list[Step] = []
+        evidence = _Evidence()
+        tools_used: set[str] = set()
+        stats: dict[str, object] = {"awc_unparsed": 0}
+        demonstration = list(AWC_DEMONSTRATION) if config.demonstration else []
+        conversation: list[Message] = [system(AWC_SYSTEM), *demonstration, user(format_question(item))]
+        plan = [T_KG, T_TEXT, T_FINAL] if not config.use_awc else []
+        for index in range(len(plan) if plan else config.max_steps):
+            if plan:
+                step, argument = Step(index=index, action=plan[index]), ""
+            else:
+                step, argument = yield from self._decide(conversation, index, stats)
+            steps.append(step)
+            if step.action == T_FINAL:
+                break
+            step.observation = yield from self._use_tool(item, step, argument, evidence, tools_used, stats)
+            conversation += [assistant(step.output or f"Action: {step.action}"),
+                             user(f"Observation:\n{step.observation}")]
+        else:
+            if not plan:
+                stats["awc_forced_final"] = True
+        stats["routing"] = routing_of(tools_used)
+        stats["tools_used"] = sorted(tools_used)
+        reply = yield from self._answer(item, evidence, steps, stats)
+        return finish_result(self.name, item, reply, steps, stats)
+
+    def _decide(self, conversation: list[Message], index: int,
+                stats: dict[str, object]) -> Generator[Request, Any, tuple[Step, str]]:
+        """AWC: the model names the next tool (and T_Text's query); no tool named means answer now."""
+        completion = yield Generate(list(conversation), self.generation)
+        choice = parse_tool_choice(completion.text)
+        notes = ""
+        if choice is None:
+            stats["awc_unparsed"] = int(stats["awc_unparsed"]) + 1
+            choice, notes = (T_FINAL, ""), "no tool named: answering with the evidence so far"
+        tool, argument = choice
+        return step_from_completion(index, tool, completion, notes=notes), argument
+
+    def _use_tool(self, item: QaItem, step: Step, argument: str, evidence: _Evidence, tools_used: set[str],
+                  stats: dict[str, object]) -> Generator[Request, Any, str]:
+        """Run T_KG or T_Text for this question (batched with the others by the driver); the observation."""
+        if step.action == T_KG:
+            return (yield from self._search_graph(item, step, evidence, tools_used, stats))
+        return (yield from self._search_text(argument or item.question, step, evidence, tools_used))
+
+    def _search_graph(self, item: QaItem, step: Step, evidence: _Evidence, tools_used: set[str],
+                      stats: dict[str, object]) -> Generator[Request, Any, str]:
+        config = self.config
+        step.arguments = {"retrieval": config.retrieval, "top_n": config.top_n}
+        if config.retrieval == "gsrm":
+            step.arguments.update(tau=config.tau, iterations=config.iterations)
+        if T_KG in tools_used:
+            step.notes = "knowledge graph already searched"
+            return f"(the knowledge graph was already searched; its facts are above. Choose {T_TEXT} or {T_FINAL}.)"
+        output: ToolOutput = yield ToolCall(self.knowledge_graph, item)
+        result: GsrmResult = output.value
+        step.latency_s += output.latency_s
+        step.retrieved_ids = [t.edge_id for t, _ in result.triples]
+        evidence.triples = result.triples
+        tools_used.add(T_KG)
+        stats.update(result.stats())
+        shown = [t for t, _ in result.triples[: config.observe_triples]]
+        return format_triples(shown) if shown else "(no facts found for these concepts)"
+
+    def _search_text(self, query: str, step: Step, evidence: _Evidence,
+                     tools_used: set[str]) -> Generator[Request, Any, str]:
+        step.arguments = {"query": query, "k": self.config.text_k}
+        if query in evidence.queries:
+            step.notes = "repeated query"
+            return f"(this query was already searched; its passages are above. Choose another query or {T_FINAL}.)"
+        output: ToolOutput = yield ToolCall(self.text, query)
+        step.latency_s += output.latency_s
+        evidence.queries.append(query)
+        new = evidence.add_passages(output.value)
+        step.retrieved_ids = [p.chunk_id for p in output.value]
+        tools_used.add(T_TEXT)
+        start = len(evidence.passages) - len(new) + 1
+        return format_passages([(p.title, p.text) for p in new], start=start) if new else "(no new passages)"
+
+    def _answer(self, item: QaItem, evidence: _Evidence, steps: list[Step],
+                stats: dict[str, object]) -> Generator[Request, Any, str]:
+        """T_Final: one answer call with the evidence as text, plus graph tokens under HIIM."""
+        sections = [format_question(item)]
+        context = [t for t, _ in evidence.triples[: self.config.context_triples]]
+        if context:
+            sections.append("Knowledge graph facts:\n" + format_triples(context))
+        if evidence.passages:
+            sections.append("Text passages:\n" + format_passages([(p.title, p.text) for p in evidence.passages]))
+        sections.append(answer_instruction(item))
+        tokens, stats["hiim"], reason = self._graph_tokens([t for t, _ in evidence.triples])
+        if reason:
+            stats["hiim_reason"] = reason
+        note = GRAPH_TOKENS_NOTE if tokens is not None else ""
+        conversation = [system(ANSWER_SYSTEM + note), user("\n\n".join(sections))]
+        completion = yield Generate(conversation, self.generation, graph_tokens=tokens)
+        steps.append(Step(
+            index=len(steps), action="answer",
+            arguments={"hiim": stats["hiim"], "graph_tokens": 0 if tokens is None else len(tokens)},
+            retrieved_ids=[t.edge_id for t in context], prompt_tokens=completion.prompt_tokens,
+            completion_tokens=completion.completion_tokens, latency_s=completion.latency_s, output=completion.text,
+        ))
+        return completion.text
+
+    def _graph_tokens(self, triples: Sequence[Triple]) -> tuple[Tensor | None, str, str]:
+        """(graph tokens or None, "graph-tokens" | "text-only", why text-only)."""
+        if not self.config.use_hiim:
+            return None, "text-only", "disabled by configuration"
+        if self.graph_tokenizer is None:
+            return None, "text-only", "no graph tokenizer (no HIIM projector registered)"
+        if not self.llm.supports_graph_tokens:
+            return None, "text-only", f"backend {self.llm.name} takes text only"
+        if not triples:
+            return None, "text-only", "no triples retrieved"
+        return self.graph_tokenizer.encode(list(triples)), "graph-tokens", ""

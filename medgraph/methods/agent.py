@@ -1,0 +1,118 @@
+"""The shared agent loop: many questions advance in lockstep, one batched model call per step.
+
+Each method writes one question's run as a generator (an *episode*) that
+reads top to bottom like a single-question agent: it yields a `Generate`
+request when it needs the model and a `ToolCall` when it needs a tool, and
+receives the completion or the tool's output back. `run_lockstep` drives a
+batch of episodes: it first runs every pending tool call, grouped by tool so
+that each tool is called once with a list of arguments (the retriever is
+batched), and then answers every pending model request with ONE
+`llm.generate` call. Questions that are finished drop out; a question that
+is ahead (already answering while others still retrieve) simply shares the
+next call. This is what makes evaluation several times faster than one
+question at a time on a CPU, and what a vLLM server needs to be used well.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Generator, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from medgraph.llm.base import ChatModel, Completion, Conversation, GenerationConfig
+from medgraph.methods.common import MethodResult
+
+if TYPE_CHECKING:
+    from torch import Tensor
+
+
+@dataclass(frozen=True)
+class Generate:
+    """Ask the model to continue one conversation (optionally with HIIM graph tokens)."""
+
+    conversation: Conversation
+    config: GenerationConfig
+    graph_tokens: Tensor | None = None
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    """Run `tool` on `argument`. `tool` takes a list of arguments and returns one output each,
+    so the calls of all questions in a step are one call."""
+
+    tool: Callable[[list[Any]], list[Any]]
+    argument: Any
+
+
+@dataclass(frozen=True)
+class ToolOutput:
+    value: Any
+    latency_s: float  # wall time of the batched tool call
+
+
+Request = Generate | ToolCall
+Episode = Generator[Request, Any, MethodResult]
+
+
+def run_lockstep(episodes: Sequence[Episode], llm: ChatModel) -> list[MethodResult]:
+    """Drive the episodes to completion together; results in the order of `episodes`."""
+    results: list[MethodResult | None] = [None] * len(episodes)
+    pending: dict[int, Request] = {}
+    for i, episode in enumerate(episodes):
+        _advance(episodes, i, None, pending, results, first=True)
+    while pending:
+        _run_tools(episodes, pending, results)
+        _run_model(episodes, pending, results, llm)
+    return [r for r in results if r is not None]
+
+
+def _advance(episodes: Sequence[Episode], i: int, value: object, pending: dict[int, Request],
+             results: list[MethodResult | None], first: bool = False) -> None:
+    """Send `value` into episode i; record its next request, or its result when it is done."""
+    try:
+        request = next(episodes[i]) if first else episodes[i].send(value)
+    except StopIteration as done:
+        pending.pop(i, None)
+        results[i] = done.value
+        return
+    if not isinstance(request, Generate | ToolCall):
+        raise TypeError(f"an episode yielded {type(request).__name__}; expected Generate or ToolCall")
+    pending[i] = request
+
+
+def _run_tools(episodes: Sequence[Episode], pending: dict[int, Request], results: list[MethodResult | None]) -> None:
+    """Run tool calls (each tool once over all its arguments) until every episode waits for the model."""
+    while True:
+        by_tool: dict[Callable, list[int]] = {}
+        for i, request in pending.items():
+            if isinstance(request, ToolCall):
+                by_tool.setdefault(request.tool, []).append(i)
+        if not by_tool:
+            return
+        for tool, ids in by_tool.items():
+            started = time.perf_counter()
+            outputs = tool([pending[i].argument for i in ids])
+            latency = time.perf_counter() - started
+            if len(outputs) != len(ids):
+                raise RuntimeError(f"tool {tool!r} returned {len(outputs)} outputs for {len(ids)} calls")
+            for i, output in zip(ids, outputs):
+                _advance(episodes, i, ToolOutput(output, latency), pending, results)
+
+
+def _run_model(episodes: Sequence[Episode], pending: dict[int, Request], results: list[MethodResult | None],
+               llm: ChatModel) -> None:
+    """One batched `generate` per distinct decoding config (a method uses one config per step)."""
+    by_config: dict[GenerationConfig, list[int]] = {}
+    for i, request in pending.items():
+        if isinstance(request, Generate):
+            by_config.setdefault(request.config, []).append(i)
+    for config, ids in by_config.items():
+        requests = [pending[i] for i in ids]
+        tokens = [r.graph_tokens for r in requests]
+        completions: list[Completion] = llm.generate(
+            [r.conversation for r in requests], config,
+            graph_tokens=tokens if any(t is not None for t in tokens) else None,
+        )
+        for i, completion in zip(ids, completions, strict=True):
+            _advance(episodes, i, completion, pending, results)

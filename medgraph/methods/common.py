@@ -1,0 +1,336 @@
+"""What every method shares: how a question is shown, how an answer is read and scored, what a trace holds.
+
+One prompt format, one answer parser and one scorer for all methods and
+baselines, so that differences between methods come from the methods. An
+answer that cannot be read is a parse failure, recorded as such and scored
+wrong; it is never mapped to a default option.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import string
+from collections import Counter
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+
+from medgraph.kg.graph import Triple
+from medgraph.kg.qa import QaItem
+from medgraph.llm.base import Completion
+
+# --------------------------------------------------------------------------- prompts
+
+
+def format_question(item: QaItem) -> str:
+    """The question and, for multiple choice, its lettered options, one per line."""
+    if not item.options:
+        return f"Question: {item.question.strip()}"
+    options = "\n".join(f"{letter}. {text}" for letter, text in item.options.items())
+    return f"Question: {item.question.strip()}\nOptions:\n{options}"
+
+
+def answer_instruction(item: QaItem) -> str:
+    """How the final answer must be written: one option letter, or a short phrase, in an answer tag."""
+    if item.options:
+        letters = ", ".join(item.options)
+        return (f"Give the final answer as one option letter ({letters}) inside <answer></answer>, "
+                "e.g. <answer>A</answer>.")
+    return "Give the final answer as a short phrase inside <answer></answer>, e.g. <answer>aspirin</answer>."
+
+
+def format_triples(triples: Sequence[Triple], start: int = 1) -> str:
+    """Numbered facts, "1. amlodipine may treat Hypertension"."""
+    return "\n".join(f"{i}. {t.text}" for i, t in enumerate(triples, start=start))
+
+
+def format_passages(passages: Sequence[tuple[str, str]], start: int = 1, max_chars: int = 600) -> str:
+    """Numbered (title, text) passages, "[1] title: text", each cut to `max_chars`."""
+    lines = []
+    for i, (title, text) in enumerate(passages, start=start):
+        body = " ".join(text.split())
+        body = body if len(body) <= max_chars else body[:max_chars].rsplit(" ", 1)[0] + " ..."
+        lines.append(f"[{i}] {title}: {body}" if title and not body.startswith(title) else f"[{i}] {body}")
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------- tolerant parsing
+
+
+def tag_contents(text: str, tag: str) -> list[str]:
+    """Contents of every `<tag>...</tag>` in order; a last tag left open (generation stopped at its
+    closing string, or ran out) counts up to the end of the text."""
+    pattern = re.compile(rf"<\s*{tag}\s*>(.*?)(?:<\s*/\s*{tag}\s*>|$)", re.IGNORECASE | re.DOTALL)
+    return [m.group(1).strip() for m in pattern.finditer(text)]
+
+
+def _normalize_text(text: str) -> str:
+    """Lowercase, no punctuation, no articles, single spaces (SQuAD's answer normalization)."""
+    text = text.lower()
+    text = "".join(" " if ch in string.punctuation else ch for ch in text)
+    return " ".join(w for w in text.split() if w not in ("a", "an", "the"))
+
+
+_LETTER_ALONE = re.compile(r"^\W*\(?([A-Za-z])\)?\s*(?:[.:)\]]|$)")
+_ANSWER_IS = re.compile(r"answer\s*(?:is|:|=|-)?\s*(?:option\s*)?\(?\**\s*(?-i:([A-Z]))\b\)?", re.IGNORECASE)
+
+
+def _option_letter(candidate: str, options: Mapping[str, str]) -> str | None:
+    """A letter from one candidate answer string: "B", "(B)", "B. text", or an option's exact text."""
+    candidate = candidate.strip().strip("*").strip()
+    letter = _LETTER_ALONE.match(candidate)
+    if letter and letter.group(1).upper() in options:
+        return letter.group(1).upper()
+    normalized = _normalize_text(candidate)
+    if not normalized:
+        return None
+    by_text = [k for k, v in options.items() if _normalize_text(v) == normalized]
+    if len(by_text) == 1:
+        return by_text[0]
+    # "Yes, it is ..." / "amlodipine, because ...": the reply opens with exactly one option's text
+    # (the longest, when one option's text begins another's).
+    opening = [(len(_normalize_text(v)), k) for k, v in options.items()
+               if _normalize_text(v) and (normalized + " ").startswith(_normalize_text(v) + " ")]
+    opening.sort(reverse=True)
+    if opening and (len(opening) == 1 or opening[0][0] > opening[1][0]):
+        return opening[0][1]
+    return None
+
+
+def parse_answer(text: str, item: QaItem) -> str | None:
+    """The answer in a model's reply, or None when it cannot be read.
+
+    Multiple choice: the option letter from `<answer>B</answer>`, "Answer: B", "the answer is
+    (B)", a bare letter, an option's exact text, or a reply that opens with exactly one option's
+    text ("Yes, because ..."). Short answer: the text of the answer tag,
+    of an "Answer:" line, or a reply that is itself one short line.
+    """
+    if item.options:
+        return _parse_option(text, item.options)
+    return _parse_short_answer(text)
+
+
+def _parse_option(text: str, options: Mapping[str, str]) -> str | None:
+    for content in reversed(tag_contents(text, "answer")):
+        letter = _option_letter(content, options)
+        if letter:
+            return letter
+    visible = re.sub(r"<\s*think\s*>.*?<\s*/\s*think\s*>", " ", text, flags=re.IGNORECASE | re.DOTALL)
+    said = [m.group(1).upper() for m in _ANSWER_IS.finditer(visible) if m.group(1).upper() in options]
+    if said:
+        return said[-1]
+    return _option_letter(visible, options)
+
+
+def _parse_short_answer(text: str) -> str | None:
+    for content in reversed(tag_contents(text, "answer")):
+        if content:
+            return content
+    line = re.search(r"answer\s*(?:is\s*:?|:)\s*(.+)", text, re.IGNORECASE)
+    if line and line.group(1).strip(" .*"):
+        return line.group(1).strip(" .*")
+    reply = text.strip().strip(".").strip()
+    if reply and "\n" not in reply and len(reply.split()) <= 12 and "<" not in reply:
+        return reply
+    return None
+
+
+def parse_json_object(text: str) -> dict[str, object] | None:
+    """The first JSON object in a reply (inside a code fence or not), or None."""
+    start = text.find("{")
+    while start >= 0:
+        depth = 0
+        for end in range(start, len(text)):
+            depth += {"{": 1, "}": -1}.get(text[end], 0)
+            if depth == 0:
+                try:
+                    value = json.loads(text[start:end + 1])
+                except json.JSONDecodeError:
+                    break
+                return value if isinstance(value, dict) else None
+        start = text.find("{", start + 1)
+    return None
+
+
+_JSON_FIELD = re.compile(
+    r'"([A-Za-z_ -]{1,40})"\s*:\s*("(?:[^"\\]|\\.)*"?|\[[^\]]*\]?|true|false|null|-?\d+(?:\.\d+)?)')
+
+
+def parse_json_fields(text: str) -> dict[str, object]:
+    """`"key": value` pairs of a JSON object that may be cut off (a reply that ran out of tokens):
+    strings, lists of strings, booleans and numbers, each read as far as it goes."""
+    fields: dict[str, object] = {}
+    for key, raw in _JSON_FIELD.findall(text):
+        if raw.startswith("["):
+            value: object = re.findall(r'"((?:[^"\\]|\\.)*)"', raw)
+        elif raw.startswith('"'):
+            value = raw[1:-1] if raw.endswith('"') and len(raw) > 1 else raw[1:]
+        else:
+            value = json.loads(raw)
+        fields[key.strip().lower().replace(" ", "_").replace("-", "_")] = value
+    return fields
+
+
+def parse_fields(text: str) -> dict[str, object]:
+    """The fields of a structured reply: a JSON object, else a cut-off JSON object, else `key: value`
+    lines. Keys are lowercased with underscores."""
+    found = parse_json_object(text)
+    if found:
+        return {str(k).strip().lower().replace(" ", "_").replace("-", "_"): v for k, v in found.items()}
+    return parse_json_fields(text) or dict(parse_key_values(text))
+
+
+def parse_key_values(text: str) -> dict[str, str]:
+    """`key: value` lines (keys lowercased, markdown bullets and bold removed); later keys win."""
+    found: dict[str, str] = {}
+    for line in text.splitlines():
+        match = re.match(r"^\s*(?:[-*]\s*)?\**\s*([A-Za-z][A-Za-z _-]{0,30}?)\s*\**\s*[:=]\s*(.*)$", line)
+        if match:
+            found[match.group(1).strip().lower().replace(" ", "_").replace("-", "_")] = match.group(2).strip()
+    return found
+
+
+def as_string_list(value: object) -> list[str]:
+    """A list of non-empty strings from a JSON list, or a string separated by ';', ',' or newlines."""
+    if value is None:
+        return []
+    if isinstance(value, str):
+        parts = re.split(r"[;\n]|,(?![^()]*\))", value)
+    elif isinstance(value, Iterable):
+        parts = [str(v) for v in value if v is not None]
+    else:
+        parts = [str(value)]
+    cleaned = [p.strip().strip("\"'[]").strip() for p in parts]
+    return [p for p in cleaned if p and p.lower() not in ("none", "n/a", "null")]
+
+
+# --------------------------------------------------------------------------- scoring
+
+
+def token_f1(prediction: str, gold: str) -> float:
+    """Token overlap F1 of normalized answers (SQuAD)."""
+    predicted, expected = _normalize_text(prediction).split(), _normalize_text(gold).split()
+    common = Counter(predicted) & Counter(expected)
+    overlap = sum(common.values())
+    if overlap == 0:
+        return 0.0
+    precision, recall = overlap / len(predicted), overlap / len(expected)
+    return 2 * precision * recall / (precision + recall)
+
+
+def score_answer(item: QaItem, prediction: str | None) -> tuple[bool, float]:
+    """(correct, f1): option-letter exact match for multiple choice; for short answers, exact match
+    of the normalized text against any acceptable answer, and the best token F1."""
+    if prediction is None:
+        return False, 0.0
+    if item.options:
+        correct = prediction == item.answer
+        return correct, float(correct)
+    golds = item.gold_answers
+    correct = any(_normalize_text(prediction) == _normalize_text(g) for g in golds)
+    return correct, max((token_f1(prediction, g) for g in golds), default=0.0)
+
+
+def gold_edge_ids(item: QaItem) -> tuple[str, ...] | None:
+    """Edge ids of the item's gold path when known (KG-derived items carry `gold_path`)."""
+    value = item.extra.get("gold_path") or item.extra.get("gold_edge_ids")
+    return tuple(str(v) for v in value) if value else None
+
+
+# --------------------------------------------------------------------------- traces and results
+
+
+@dataclass
+class Step:
+    """One step of one question's run: a model call and/or a tool call, and what it cost."""
+
+    index: int
+    action: str  # the tool or agent role, e.g. "T_KG", "search", "i_agent", "answer"
+    arguments: dict[str, object] = field(default_factory=dict)
+    retrieved_ids: list[str] = field(default_factory=list)  # edge ids, chunk ids or CUIs
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    latency_s: float = 0.0  # wall time of the batched calls this step took part in
+    output: str = ""  # the raw model output ("" for a step without a model call)
+    observation: str = ""  # what the tool returned, as the model was shown it
+    notes: str = ""
+
+
+@dataclass
+class MethodResult:
+    """One question answered by one method: the prediction, its score, the trace and method statistics."""
+
+    method: str
+    dataset: str
+    qid: str
+    answer: str  # the gold answer
+    prediction: str | None
+    parse_failed: bool
+    correct: bool
+    f1: float
+    steps: list[Step]
+    stats: dict[str, object] = field(default_factory=dict)
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(s.prompt_tokens for s in self.steps)
+
+    @property
+    def completion_tokens(self) -> int:
+        return sum(s.completion_tokens for s in self.steps)
+
+    @property
+    def latency_s(self) -> float:
+        return sum(s.latency_s for s in self.steps)
+
+    @property
+    def llm_calls(self) -> int:
+        return sum(1 for s in self.steps if s.output or s.completion_tokens)
+
+    def as_dict(self) -> dict[str, object]:
+        """JSON-ready: every field plus the token and latency totals."""
+        return {
+            **asdict(self),
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "latency_s": round(self.latency_s, 4),
+            "llm_calls": self.llm_calls,
+        }
+
+
+def step_from_completion(index: int, action: str, completion: Completion,
+                         arguments: dict[str, object] | None = None, notes: str = "") -> Step:
+    """The trace step of one model call that needs no tool."""
+    return Step(index=index, action=action, arguments=arguments or {}, prompt_tokens=completion.prompt_tokens,
+                completion_tokens=completion.completion_tokens, latency_s=completion.latency_s,
+                output=completion.text, notes=notes)
+
+
+def finish_result(method: str, item: QaItem, reply: str | None, steps: list[Step],
+                  stats: Mapping[str, object] | None = None) -> MethodResult:
+    """Parse the final reply, score it and package the run; `reply=None` means no answer was given."""
+    prediction = parse_answer(reply, item) if reply is not None else None
+    correct, f1 = score_answer(item, prediction)
+    return MethodResult(
+        method=method, dataset=item.dataset, qid=item.qid, answer=item.answer, prediction=prediction,
+        parse_failed=prediction is None, correct=correct, f1=f1, steps=steps, stats=dict(stats or {}),
+    )
+
+
+TRACE_COLUMNS = ("method", "dataset", "qid", "step", "action", "arguments", "retrieved_ids", "prompt_tokens",
+                 "completion_tokens", "latency_s", "output", "observation", "notes")
+
+
+def trace_rows(results: Iterable[MethodResult]) -> list[dict[str, object]]:
+    """One flat row per step (arguments as JSON text): the rows of a Parquet traces table."""
+    rows = []
+    for result in results:
+        for step in result.steps:
+            rows.append({
+                "method": result.method, "dataset": result.dataset, "qid": result.qid, "step": step.index,
+                "action": step.action, "arguments": json.dumps(step.arguments, ensure_ascii=False, default=str),
+                "retrieved_ids": list(step.retrieved_ids), "prompt_tokens": step.prompt_tokens,
+                "completion_tokens": step.completion_tokens, "latency_s": step.latency_s,
+                "output": step.output, "observation": step.observation, "notes": step.notes,
+            })
+    return rows

@@ -1,0 +1,129 @@
+"""Methods by name, their configurations, named ablations, and running a method over a list of questions.
+
+Evaluation assets, the CLI and benchmarks all go through `run_method`, so a
+method is run the same way everywhere: batches of `batch_size` questions in
+lockstep (one model call per step), one shared set of retrieval tools.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from medgraph.kg.qa import QaItem
+from medgraph.llm.base import ChatModel
+from medgraph.methods.a2rag import A2Rag, A2RagConfig, GraphTokenizer
+from medgraph.methods.agent import Episode, run_lockstep
+from medgraph.methods.baselines import (
+    ChainOfThought,
+    CotConfig,
+    IterativeRag,
+    IterativeRagConfig,
+    RagConfig,
+    SingleRoundRag,
+)
+from medgraph.methods.common import MethodResult
+from medgraph.methods.graph_r1 import GraphR1, GraphR1Config
+from medgraph.methods.sema_rag import SemaRag, SemaRagConfig
+from medgraph.methods.tools import KnowledgeTools
+from medgraph.retrieval import Retriever
+
+
+class Method(Protocol):
+    name: str
+
+    def episode(self, item: QaItem) -> Episode: ...
+
+
+Builder = Callable[[KnowledgeTools, ChatModel, Any, GraphTokenizer | None], Method]
+
+
+@dataclass(frozen=True)
+class MethodSpec:
+    config_type: type
+    build: Builder
+    description: str
+
+
+METHODS: dict[str, MethodSpec] = {
+    "a2rag": MethodSpec(A2RagConfig, lambda tools, llm, config, gt: A2Rag(tools, llm, config, gt),
+                        "A2RAG: AWC tool routing, GSRM subgraph refinement, HIIM graph tokens"),
+    "graph-r1": MethodSpec(GraphR1Config, lambda tools, llm, config, gt: GraphR1(tools.retriever, llm, config),
+                           "Graph-R1 agent: search / traverse / analyze / answer over the KG"),
+    "sema-rag": MethodSpec(SemaRagConfig, lambda tools, llm, config, gt: SemaRag(tools, llm, config),
+                           "SEMA-RAG: I-Agent schema, E-Agent sufficiency loop, A-Agent evidence report"),
+    "cot": MethodSpec(CotConfig, lambda tools, llm, config, gt: ChainOfThought(tools, llm, config),
+                      "chain of thought, no retrieval"),
+    "rag": MethodSpec(RagConfig, lambda tools, llm, config, gt: SingleRoundRag(tools, llm, config),
+                      "single-round hybrid RAG (BM25 + dense, RRF) with KG triples, MedRAG style"),
+    "irag": MethodSpec(IterativeRagConfig, lambda tools, llm, config, gt: IterativeRag(tools, llm, config),
+                       "fixed-iteration follow-up query RAG, i-MedRAG style"),
+}
+
+# Named ablations (DESIGN.md "Evaluation protocol"): a method and the configuration fields it changes.
+ABLATIONS: dict[str, tuple[str, dict[str, object]]] = {
+    "a2rag-no-awc": ("a2rag", {"use_awc": False}),
+    "a2rag-no-gsrm": ("a2rag", {"retrieval": "one_hop"}),
+    "a2rag-edge-search": ("a2rag", {"retrieval": "edge_search"}),
+    "a2rag-no-hiim": ("a2rag", {"use_hiim": False}),
+    "graph-r1-no-search": ("graph-r1", {"actions": ("traverse", "analyze")}),
+    "graph-r1-no-traverse": ("graph-r1", {"actions": ("search", "analyze")}),
+    "graph-r1-no-analyze": ("graph-r1", {"actions": ("search", "traverse")}),
+    "sema-rag-no-i-agent": ("sema-rag", {"use_i_agent": False}),
+    "sema-rag-no-e-agent": ("sema-rag", {"use_e_agent": False}),
+    "sema-rag-no-a-agent": ("sema-rag", {"use_a_agent": False}),
+}
+
+
+def make_config(name: str, overrides: Mapping[str, object] | None = None) -> Any:
+    """The configuration of a method or a named ablation, with `overrides` applied.
+
+    Unknown field names are an error, so a typo in run config cannot silently run the default.
+    """
+    method, preset = ABLATIONS.get(name, (name, {}))
+    if method not in METHODS:
+        raise ValueError(f"unknown method {name!r}; methods: {', '.join(METHODS)}; ablations: {', '.join(ABLATIONS)}")
+    config_type = METHODS[method].config_type
+    fields = {f.name for f in dataclasses.fields(config_type)}
+    changes = {**preset, **(overrides or {})}
+    unknown = set(changes) - fields
+    if unknown:
+        raise ValueError(f"{method}: unknown configuration fields {sorted(unknown)}; known: {sorted(fields)}")
+    return config_type(**changes)
+
+
+def method_of(name: str) -> str:
+    """The method a method or ablation name runs."""
+    return ABLATIONS.get(name, (name, {}))[0]
+
+
+def build_method(name: str, tools: KnowledgeTools, llm: ChatModel, config: object | None = None,
+                 graph_tokenizer: GraphTokenizer | None = None) -> Method:
+    spec = METHODS[method_of(name)]
+    config = config if config is not None else make_config(name)
+    if not isinstance(config, spec.config_type):
+        raise TypeError(f"{name} takes a {spec.config_type.__name__}, got {type(config).__name__}")
+    return spec.build(tools, llm, config, graph_tokenizer)
+
+
+def run_method(name: str, items: Sequence[QaItem], retriever: Retriever | KnowledgeTools, llm: ChatModel,
+               config: object | None = None, batch_size: int = 8,
+               graph_tokenizer: GraphTokenizer | None = None) -> list[MethodResult]:
+    """Answer `items` with a method (or named ablation), `batch_size` questions in lockstep at a time.
+
+    Pass a `KnowledgeTools` instead of a Retriever to share its caches (concept dictionary,
+    triple vectors) across several runs.
+    """
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    tools = retriever if isinstance(retriever, KnowledgeTools) else KnowledgeTools(retriever)
+    method = build_method(name, tools, llm, config, graph_tokenizer)
+    results: list[MethodResult] = []
+    for start in range(0, len(items), batch_size):
+        batch = items[start:start + batch_size]
+        results += run_lockstep([method.episode(item) for item in batch], llm)
+    for result in results:
+        result.method = name
+    return results

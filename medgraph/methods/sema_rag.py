@@ -1,0 +1,313 @@
+"""SEMA-RAG: self-evolving multi-agent RAG for medical QA (DESIGN.md "The three methods").
+
+- I-Agent: the question becomes a clinical schema tuple (intent, entities,
+  constraints, initial query), linearized into the retrieval query.
+- E-Agent: round t retrieves with the query set Q_t (hybrid text search plus
+  KG triples of the linked entities), compares the accumulated evidence with
+  the schema and judges sufficiency; when insufficient it names the gap and
+  writes follow-up queries Q_{t+1}. The loop stops when the evidence is
+  sufficient, at `max_rounds`, or when no new query appears.
+- A-Agent: writes an evidence report (agreements, conflicts, numbered source
+  citations such as [1], [3]) and then picks one option.
+
+Ablations are configuration: without the I-Agent the question itself is the
+query; without the E-Agent there is one retrieval round; without the A-Agent
+the answer is given straight from the evidence.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Generator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from medgraph.kg.graph import Triple
+from medgraph.kg.qa import QaItem
+from medgraph.llm.base import ChatModel, GenerationConfig, assistant, system, user
+from medgraph.methods.agent import Episode, Generate, Request, ToolCall
+from medgraph.methods.common import (
+    Step,
+    answer_instruction,
+    as_string_list,
+    finish_result,
+    format_question,
+    parse_fields,
+    step_from_completion,
+)
+from medgraph.methods.tools import KnowledgeTools, Passage
+
+
+@dataclass(frozen=True)
+class SemaRagConfig:
+    use_i_agent: bool = True
+    use_e_agent: bool = True
+    use_a_agent: bool = True
+    max_rounds: int = 3
+    max_queries_per_round: int = 3
+    text_k: int = 3  # passages per query
+    triples_per_round: int = 8
+    max_triples_per_relation: int | None = 50  # hub guard: edges kept per (concept, relation)
+    max_new_tokens: int = 160
+    # One worked I-Agent exchange before the question: small models then write JSON, but may copy
+    # the example's content too, so it is off unless asked for.
+    demonstration: bool = False
+
+
+# --------------------------------------------------------------------------- the schema (I-Agent)
+
+
+@dataclass(frozen=True)
+class ClinicalSchema:
+    intent: str
+    entities: tuple[str, ...]
+    constraints: tuple[str, ...]
+    query: str
+    parsed: bool = True  # False: the I-Agent's reply could not be read and the question stands in
+
+    def linearize(self) -> str:
+        """The retrieval query: the initial query, then the schema's entities and constraints."""
+        parts = [self.query]
+        if self.entities:
+            parts.append("entities: " + ", ".join(self.entities))
+        if self.constraints:
+            parts.append("constraints: " + ", ".join(self.constraints))
+        return " | ".join(p for p in parts if p)
+
+    def describe(self) -> str:
+        return (f"intent: {self.intent or '-'}; entities: {', '.join(self.entities) or '-'}; "
+                f"constraints: {', '.join(self.constraints) or '-'}; query: {self.query}")
+
+
+def _first(fields: dict[str, object], *names: str) -> object:
+    return next((fields[n] for n in names if fields.get(n) not in (None, "", [])), None)
+
+
+def _names(value: object) -> list[str]:
+    """Entity names from strings or objects such as {"name": ..., "type": ...}."""
+    if isinstance(value, list) and any(isinstance(v, dict) for v in value):
+        value = [next((str(v[k]) for k in ("name", "entity", "text") if k in v), "") if isinstance(v, dict) else v
+                 for v in value]
+    return as_string_list(value)
+
+
+def parse_schema(text: str, item: QaItem) -> ClinicalSchema:
+    """The I-Agent's schema from JSON or `key: value` lines; the question itself when neither is there."""
+    fields = parse_fields(text)
+    query = _first(fields, "initial_query", "query", "search_query", "retrieval_query")
+    intent = _first(fields, "intent", "clinical_intent")
+    entities = _first(fields, "entities", "entity", "key_entities")
+    constraints = _first(fields, "constraints", "constraint", "conditions")
+    if query is None and intent is None and entities is None:
+        return ClinicalSchema("", (), (), item.question, parsed=False)
+    return ClinicalSchema(
+        intent=str(intent or "").strip(),
+        entities=tuple(_names(entities)),
+        constraints=tuple(as_string_list(constraints)),
+        query=str(query).strip() if query else item.question,
+    )
+
+
+# --------------------------------------------------------------------------- sufficiency (E-Agent)
+
+
+@dataclass(frozen=True)
+class Judgment:
+    sufficient: bool | None  # None: the reply did not say
+    gap: str
+    queries: tuple[str, ...]
+
+
+_YES = ("yes", "true", "sufficient", "enough")
+_NO = ("no", "false", "insufficient", "not", "partial")
+
+
+def _truth(value: object) -> bool | None:
+    if isinstance(value, bool):
+        return value
+    words = str(value).strip().lower().split()
+    if not words:
+        return None
+    if words[0].strip(".,") in _NO:
+        return False
+    return True if words[0].strip(".,") in _YES else None
+
+
+def parse_judgment(text: str) -> Judgment:
+    """The E-Agent's sufficiency, gap and follow-up queries from JSON or `key: value` lines."""
+    fields = parse_fields(text)
+    sufficient = _truth(_first(fields, "sufficient", "sufficiency", "is_sufficient", "enough"))
+    if sufficient is None:  # a sentence instead of a field: "The evidence is (not) sufficient ..."
+        if re.search(r"\b(insufficient|not (?:yet )?(?:sufficient|enough))\b", text, re.IGNORECASE):
+            sufficient = False
+        elif re.search(r"\b(sufficient|enough)\b", text, re.IGNORECASE):
+            sufficient = True
+    gap = str(_first(fields, "gap", "missing", "missing_information") or "").strip()
+    queries = as_string_list(_first(fields, "queries", "follow_up_queries", "follow_up", "followup_queries",
+                                    "next_queries", "query"))
+    return Judgment(sufficient, gap, tuple(queries))
+
+
+def _query_key(query: str) -> str:
+    return " ".join(re.findall(r"\w+", query.lower()))
+
+
+# --------------------------------------------------------------------------- evidence
+
+
+@dataclass
+class _Evidence:
+    """Numbered sources (passages and KG facts), each once."""
+
+    sources: list[str] = field(default_factory=list)
+    ids: list[str] = field(default_factory=list)
+
+    def add(self, passages: Sequence[Passage], triples: Sequence[Triple]) -> list[str]:
+        new = []
+        for source_id, text in [(p.chunk_id, f"{p.title}: {_cut(p.text)}") for p in passages] + \
+                [(t.edge_id, f"KG fact: {t.text}") for t in triples]:
+            if source_id not in self.ids:
+                self.ids.append(source_id)
+                self.sources.append(text)
+                new.append(source_id)
+        return new
+
+    def render(self, since: int = 0) -> str:
+        """The sources from number `since` + 1 on, "[n] text" per line."""
+        lines = [f"[{i}] {s}" for i, s in enumerate(self.sources, start=1) if i > since]
+        return "\n".join(lines) or ("(no evidence found)" if not since else "(no new evidence)")
+
+
+def _cut(text: str, limit: int = 500) -> str:
+    text = " ".join(text.split())
+    return text if len(text) <= limit else text[:limit].rsplit(" ", 1)[0] + " ..."
+
+
+@dataclass(frozen=True)
+class _Retrieval:
+    item: QaItem
+    entity_names: tuple[str, ...]
+    queries: tuple[str, ...]
+
+
+# --------------------------------------------------------------------------- prompts
+
+I_SYSTEM = "You are a clinical information specialist. You turn questions into structured search schemas."
+I_INSTRUCTION = ('Describe what the question asks as a clinical schema. Reply with JSON only:\n'
+                 '{"intent": "what is asked, e.g. treatment, diagnosis, mechanism", '
+                 '"entities": ["medical concepts in the question"], '
+                 '"constraints": ["conditions the answer must meet"], '
+                 '"query": "a search query for the evidence needed"}')
+I_DEMONSTRATION = (
+    user("Question: Which of the following may treat gout?\nOptions:\nA. allopurinol\nB. insulin\n\n"
+         + I_INSTRUCTION),
+    assistant('{"intent": "treatment", "entities": ["gout", "allopurinol", "insulin"], "constraints": [], '
+              '"query": "drugs that treat gout"}'),
+)
+E_SYSTEM = "You are an evidence reviewer. You decide whether retrieved evidence is enough to answer a question."
+E_INSTRUCTION = ('Is the evidence sufficient to answer the question? Reply with JSON only:\n'
+                 '{"sufficient": true or false, "gap": "what is missing", '
+                 '"queries": ["follow-up search queries for the gap"]}')
+A_SYSTEM = "You are a careful clinician. You weigh evidence before you answer."
+A_REPORT = ("Write a short evidence report: which sources agree, which conflict, and what they say about each "
+            "option. Cite sources by their numbers, like [1], [3].")
+ANSWER_SYSTEM = "You are a medical expert. Answer the question; use the evidence when it is relevant."
+
+
+class SemaRag:
+    """Builds one SEMA-RAG episode per question; retrieval is batched across questions."""
+
+    name = "sema-rag"
+
+    def __init__(self, tools: KnowledgeTools, llm: ChatModel, config: SemaRagConfig = SemaRagConfig()):
+        self.tools, self.llm, self.config = tools, llm, config
+        self.generation = GenerationConfig(max_new_tokens=config.max_new_tokens)
+
+    def retrieve(self, requests: list[_Retrieval]) -> list[tuple[list[Passage], list[Triple]]]:
+        """One round for a batch: passages for every query, and the KG triples of each question's
+        linked entities ranked against its queries."""
+        queries = [q for r in requests for q in r.queries]
+        found = iter(self.tools.passages(queries, k=self.config.text_k))
+        passages = [[p for _ in r.queries for p in next(found)] for r in requests]
+        entities = self.tools.question_entities([r.item for r in requests])
+        named = iter(self.tools.named_concepts([n for r in requests for n in r.entity_names]))
+        linked = [list(dict.fromkeys(e + [c for _ in r.entity_names for c in next(named)[:1]]))
+                  for r, e in zip(requests, entities)]
+        ranked = self.tools.ranked_triples(linked, [" ".join(r.queries) for r in requests],
+                                           top=self.config.triples_per_round,
+                                           per_relation_limit=self.config.max_triples_per_relation)
+        return [(p, [t for t, _ in row]) for p, row in zip(passages, ranked)]
+
+    def episode(self, item: QaItem) -> Episode:
+        config = self.config
+        steps: list[Step] = []
+        question = format_question(item)
+        schema = ClinicalSchema("", (), (), item.question, parsed=False)
+        if config.use_i_agent:
+            demonstration = list(I_DEMONSTRATION) if config.demonstration else []
+            conversation = [system(I_SYSTEM), *demonstration, user(f"{question}\n\n{I_INSTRUCTION}")]
+            completion = yield Generate(conversation, self.generation)
+            schema = parse_schema(completion.text, item)
+            steps.append(step_from_completion(len(steps), "i_agent", completion, {"schema": schema.describe()},
+                                     "" if schema.parsed else "schema not readable: the question is the query"))
+        queries = [schema.linearize()]
+        asked = {_query_key(queries[0])}
+        evidence = _Evidence()
+        sufficiency: list[bool | None] = []
+        stop = "single_round"
+        for round_index in range(1, config.max_rounds + 1):
+            output = yield ToolCall(self.retrieve, _Retrieval(item, schema.entities, tuple(queries)))
+            passages, triples = output.value
+            new = evidence.add(passages, triples)
+            steps.append(Step(index=len(steps), action="retrieve", latency_s=output.latency_s,
+                              arguments={"round": round_index, "queries": list(queries)}, retrieved_ids=new,
+                              observation=evidence.render(since=len(evidence.ids) - len(new))))
+            if not config.use_e_agent:
+                break
+            if round_index == config.max_rounds:
+                stop = "max_rounds"
+                break
+            prompt = f"{question}\n\nSchema: {schema.describe()}\n\nEvidence:\n{evidence.render()}\n\n{E_INSTRUCTION}"
+            completion = yield Generate([system(E_SYSTEM), user(prompt)], self.generation)
+            judgment = parse_judgment(completion.text)
+            sufficiency.append(judgment.sufficient)
+            steps.append(step_from_completion(len(steps), "e_agent", completion,
+                                     {"sufficient": judgment.sufficient, "gap": judgment.gap,
+                                      "queries": list(judgment.queries)},
+                                     "" if judgment.sufficient is not None else "sufficiency not stated"))
+            if judgment.sufficient:
+                stop = "sufficient"
+                break
+            fresh = [q for q in dict.fromkeys(judgment.queries) if _query_key(q) and _query_key(q) not in asked]
+            if not fresh:
+                stop = "no_new_query"
+                break
+            queries = fresh[: config.max_queries_per_round]
+            asked.update(_query_key(q) for q in queries)
+        stats: dict[str, object] = {
+            "rounds": sum(1 for s in steps if s.action == "retrieve"), "stop_reason": stop,
+            "early_stop": stop in ("sufficient", "no_new_query"), "sufficiency": sufficiency,
+            "schema": schema.describe(), "schema_parsed": schema.parsed, "sources": len(evidence.ids),
+        }
+        reply = yield from self._answer(item, evidence, steps, stats)
+        return finish_result(self.name, item, reply, steps, stats)
+
+    def _answer(self, item: QaItem, evidence: _Evidence, steps: list[Step],
+                stats: dict[str, object]) -> Generator[Request, Any, str]:
+        """A-Agent: an evidence report, then one option; without it, a direct answer from the evidence."""
+        context = f"{format_question(item)}\n\nEvidence:\n{evidence.render()}"
+        if not self.config.use_a_agent:
+            completion = yield Generate([system(ANSWER_SYSTEM), user(f"{context}\n\n{answer_instruction(item)}")],
+                                        self.generation)
+            steps.append(step_from_completion(len(steps), "answer", completion))
+            return completion.text
+        conversation = [system(A_SYSTEM), user(f"{context}\n\n{A_REPORT}")]
+        report = yield Generate(conversation, self.generation)
+        cited = sorted({int(n) for n in re.findall(r"\[(\d+)\]", report.text) if 0 < int(n) <= len(evidence.ids)})
+        stats["cited_sources"] = cited
+        steps.append(step_from_completion(len(steps), "a_agent_report", report, {"cited": cited}))
+        completion = yield Generate(conversation + [assistant(report.text), user(answer_instruction(item))],
+                                    self.generation)
+        steps.append(step_from_completion(len(steps), "answer", completion))
+        return completion.text
+

@@ -1,0 +1,667 @@
+"""A2RAG, Graph-R1, SEMA-RAG and the baselines: control logic with a scripted model, then each end to end.
+
+Control logic runs on the real tiny KG, corpus and encoder with replies written
+by `ScriptedChatModel`, so routing, loop termination, GSRM expansion and parse
+failures are checked exactly. The end-to-end tests run every method with the
+real SmolLM2 on two questions and check that a result and a trace come out,
+not accuracy.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import copy_warehouse
+
+from medgraph.kg.graph import Triple
+from medgraph.kg.qa import QaItem
+from medgraph.llm.base import Conversation, GenerationConfig
+from medgraph.llm.scripted import ScriptedChatModel
+from medgraph.methods import (
+    METHODS,
+    KnowledgeTools,
+    make_config,
+    parse_answer,
+    run_method,
+    score_answer,
+    trace_rows,
+)
+from medgraph.methods.a2rag import A2Rag, A2RagConfig, gsrm_refine, parse_tool_choice
+from medgraph.methods.common import token_f1
+from medgraph.methods.graph_r1 import GraphR1Config, GraphR1Env, is_well_formed, parse_action, restore_stop
+from medgraph.methods.sema_rag import parse_judgment, parse_schema
+from medgraph.retrieval import Retriever
+from medgraph.storage import Warehouse
+
+AMLODIPINE, HYPERTENSION, SEIZURE, FABRY = "C9001289", "C0020538", "C0036572", "C9001444"
+TREAT = QaItem("test", "treat", "Which of the following may treat Hypertension?",
+               {"A": "amlodipine", "B": "salbutamol", "C": "insulin", "D": "aspirin"}, "A")
+ANGINA = QaItem("test", "angina", "Which of the following may treat Angina pectoris?",
+                {"A": "insulin", "B": "amlodipine"}, "B")
+FABRY_SEIZURE = QaItem("test", "fabry", "Is Seizure a manifestation of Fabry disease?", {"A": "yes", "B": "no"}, "A")
+MECHANISM = QaItem("test", "mechanism", "What is the mechanism of action of amlodipine?", {},
+                   "Calcium Channel Antagonists", acceptable_answers=("Calcium Channel Antagonists",
+                                                                      "calcium channel blocker"))
+QUERY = "Which drug may treat hypertension?"
+# Small subgraphs: triples outside the embedded drug edges are encoded on the fly.
+CHEAP_A2RAG = {"iterations": 1, "max_triples_per_relation": 3, "top_n": 20}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread() -> Iterator[None]:
+    # Two torch threads spin-wait on each other on a busy 2-core machine (several times slower).
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+@pytest.fixture(scope="module")
+def retriever(retrieval_warehouse: Warehouse, encoder) -> Iterator[Retriever]:
+    with Retriever(retrieval_warehouse, encoder) as retriever:
+        yield retriever
+
+
+@pytest.fixture(scope="module")
+def tools(retriever: Retriever) -> KnowledgeTools:
+    return KnowledgeTools(retriever)
+
+
+def _question_index(conversation: Conversation) -> int:
+    """Where the asked question is (after any demonstration exchange)."""
+    return max(i for i, m in enumerate(conversation) if m.role == "user" and m.content.startswith("Question:"))
+
+
+def question_of(conversation: Conversation) -> str:
+    return conversation[_question_index(conversation)].content.split("\n")[0].removeprefix("Question: ")
+
+
+def assistant_turns(conversation: Conversation) -> int:
+    """The policy's turns so far on this question."""
+    return sum(1 for m in conversation[_question_index(conversation):] if m.role == "assistant")
+
+
+# --------------------------------------------------------------------------- answers, parsing, scoring
+
+
+@pytest.mark.parametrize("reply, expected", [
+    ("<answer>B</answer>", "B"),
+    ("<think>A looks wrong</think><answer>(C)</answer>", "C"),
+    ("Answer: D", "D"),
+    ("The answer is (B) because it lowers pressure.", "B"),
+    ("B", "B"),
+    ("(A)", "A"),
+    ("C. insulin", "C"),
+    ("amlodipine", "A"),
+    ("<answer>Amlodipine</answer>", "A"),
+    ("<answer>B", "B"),  # generation stopped at </answer>
+    ("amlodipine, because it blocks calcium channels", "A"),
+])
+def test_parse_answer_reads_the_option_in_many_forms(reply: str, expected: str):
+    assert parse_answer(reply, TREAT) == expected
+
+
+@pytest.mark.parametrize("reply", ["", "I am not sure.", "It could be a drug.", "<answer>E</answer>", "Answer: Z",
+                                   "All of them help somewhat."])
+def test_parse_answer_returns_none_instead_of_guessing(reply: str):
+    assert parse_answer(reply, TREAT) is None
+
+
+def test_a_yes_no_reply_is_read_from_its_first_word():
+    assert parse_answer("Yes, seizures occur in Fabry disease.", FABRY_SEIZURE) == "A"
+    assert parse_answer("<answer>no</answer>", FABRY_SEIZURE) == "B"
+    assert parse_answer("Seizures are common.", FABRY_SEIZURE) is None
+
+
+def test_short_answers_are_text_and_scored_by_exact_match_and_f1():
+    assert parse_answer("<answer>calcium channel blockers</answer>", MECHANISM) == "calcium channel blockers"
+    assert parse_answer("Answer: calcium channel blocker.", MECHANISM) == "calcium channel blocker"
+    assert parse_answer("The answer is: calcium channel blocker", MECHANISM) == "calcium channel blocker"
+    assert parse_answer("Let me think.\nThis is long\nand has lines", MECHANISM) is None
+    assert score_answer(MECHANISM, "Calcium channel blocker") == (True, 1.0)
+    correct, f1 = score_answer(MECHANISM, "calcium channel")
+    assert not correct and f1 == pytest.approx(token_f1("calcium channel", "Calcium Channel Antagonists"))
+    assert score_answer(MECHANISM, None) == (False, 0.0)
+    assert score_answer(TREAT, "A") == (True, 1.0) and score_answer(TREAT, "B") == (False, 0.0)
+
+
+def test_an_unparseable_answer_is_a_recorded_parse_failure_not_option_a(tools: KnowledgeTools):
+    llm = ScriptedChatModel(lambda conversation: "Hypertension is a common condition.")
+    (result,) = run_method("cot", [TREAT], tools, llm)
+    assert result.prediction is None and result.parse_failed and not result.correct
+    assert result.steps[0].output == "Hypertension is a common condition."
+
+
+# --------------------------------------------------------------------------- the lockstep driver
+
+
+def test_each_step_is_one_batched_call_over_the_questions_still_running(tools: KnowledgeTools):
+    """Four questions finish after 2, 3, 3 and 4 calls: the calls hold 4, 4, 3, 1 conversations."""
+    scripts = {TREAT.question: ["Action: T_KG", "Action: T_Final"],
+               MECHANISM.question: ["Thought: read.\nAction: T_Text[amlodipine mechanism]", "Action: T_Final"],
+               FABRY_SEIZURE.question: ["Action: T_Final"],
+               ANGINA.question: ["Action: T_KG", "Action: T_Text", "Action: T_Final"]}
+
+    def reply(conversation: Conversation) -> str:
+        if "Action:" not in conversation[0].content:  # the answer call
+            return "<answer>calcium channel blocker</answer>" if "Options" not in conversation[1].content \
+                else "<answer>A</answer>"
+        return scripts[question_of(conversation)][assistant_turns(conversation)]
+
+    llm = ScriptedChatModel(reply)
+    results = run_method("a2rag", [TREAT, MECHANISM, FABRY_SEIZURE, ANGINA], tools, llm,
+                         A2RagConfig(**CHEAP_A2RAG), batch_size=4)
+    assert [len(call) for call in llm.calls] == [4, 4, 3, 1]
+    assert [r.stats["routing"] for r in results] == ["KG-only", "Text-only", "none", "KG+Text"]
+    assert [r.qid for r in results] == ["treat", "mechanism", "fabry", "angina"]
+    assert [s.action for s in results[3].steps] == ["T_KG", "T_Text", "T_Final", "answer"]
+    assert results[0].steps[0].observation.startswith("1. ") and "[1]" in results[1].steps[0].observation
+    assert results[1].steps[0].arguments["query"] == "amlodipine mechanism"
+    assert results[1].prediction == "calcium channel blocker" and results[1].correct
+
+
+def test_batch_size_splits_the_questions_into_separate_lockstep_groups(tools: KnowledgeTools):
+    llm = ScriptedChatModel(lambda conversation: "<answer>A</answer>")
+    results = run_method("cot", [TREAT, ANGINA, FABRY_SEIZURE], tools, llm, batch_size=2)
+    assert [len(call) for call in llm.calls] == [2, 1]
+    assert [r.correct for r in results] == [True, False, True]
+
+
+# --------------------------------------------------------------------------- A2RAG: AWC
+
+
+@pytest.mark.parametrize("reply, expected", [
+    ("Thought: need facts.\nAction: T_KG", ("T_KG", "")),
+    ("Action: T_Text[drugs for gout]", ("T_Text", "drugs for gout")),
+    ("action: text", ("T_Text", "")),
+    ("I will use T-KG first.", ("T_KG", "")),
+    ("Action: T_Final", ("T_Final", "")),
+    ("<answer>B</answer>", ("T_Final", "")),
+    ("hmm, let me think", None),
+])
+def test_awc_tool_choice_is_parsed_tolerantly(reply: str, expected: tuple[str, str] | None):
+    assert parse_tool_choice(reply) == expected
+
+
+def test_awc_answers_when_no_tool_is_named_and_records_it(tools: KnowledgeTools):
+    def reply(conversation: Conversation) -> str:
+        return "I do not know what to do." if "Action:" in conversation[0].content else "<answer>A</answer>"
+
+    (result,) = run_method("a2rag", [TREAT], tools, ScriptedChatModel(reply), A2RagConfig(**CHEAP_A2RAG))
+    assert result.stats["awc_unparsed"] == 1 and result.stats["routing"] == "none"
+    assert [s.action for s in result.steps] == ["T_Final", "answer"] and "no tool named" in result.steps[0].notes
+    assert result.prediction == "A"
+
+
+def test_awc_stops_at_max_steps_and_answers_with_what_it_has(tools: KnowledgeTools):
+    def reply(conversation: Conversation) -> str:
+        return "Action: T_Text[amlodipine]" if "Action:" in conversation[0].content else "<answer>A</answer>"
+
+    llm = ScriptedChatModel(reply)
+    (result,) = run_method("a2rag", [TREAT], tools, llm, A2RagConfig(max_steps=2, **CHEAP_A2RAG))
+    assert [s.action for s in result.steps] == ["T_Text", "T_Text", "answer"]
+    assert result.steps[1].notes == "repeated query" and result.stats["awc_forced_final"]
+    assert len(llm.calls) == 3
+
+
+def test_without_awc_the_plan_is_kg_then_text_then_answer_in_one_model_call(tools: KnowledgeTools):
+    llm = ScriptedChatModel(lambda conversation: "<answer>A</answer>")
+    (result,) = run_method("a2rag-no-awc", [TREAT], tools, llm, make_config("a2rag-no-awc", CHEAP_A2RAG))
+    assert [s.action for s in result.steps] == ["T_KG", "T_Text", "T_Final", "answer"]
+    assert len(llm.calls) == 1 and result.stats["routing"] == "KG+Text"
+    prompt = llm.calls[0][0][-1].content
+    assert "Knowledge graph facts:" in prompt and "Text passages:" in prompt and "amlodipine" in prompt
+
+
+# --------------------------------------------------------------------------- A2RAG: GSRM
+
+
+def test_gsrm_with_tau_above_one_expands_nothing(tools: KnowledgeTools):
+    (result,) = gsrm_refine(tools, [[AMLODIPINE]], [QUERY], tau=1.01, iterations=2, top_n=50)
+    assert result.sizes == [5] and result.frontier_sizes == []
+    assert {t.src_cui for t, _ in result.triples} == {AMLODIPINE}
+    scores = [s for _, s in result.triples]
+    assert scores == sorted(scores, reverse=True)
+
+
+def test_gsrm_with_a_low_tau_expands_every_entity_it_reached(tools: KnowledgeTools):
+    (result,) = gsrm_refine(tools, [[AMLODIPINE]], [QUERY], tau=-1.0, iterations=1, top_n=500,
+                            per_relation_limit=3)
+    neighbours = {t.dst_cui for t in tools.one_hop([[AMLODIPINE]])[0]}
+    assert result.frontier_sizes == [len(neighbours)] and result.sizes[1] > result.sizes[0] == 5
+    assert {t.src_cui for t in result.subgraph} == {AMLODIPINE} | neighbours
+
+
+def test_gsrm_expands_exactly_the_entities_of_triples_scoring_at_least_tau(tools: KnowledgeTools):
+    g_init = tools.one_hop([[AMLODIPINE]])[0]
+    scores = tools.score_triples(g_init, tools.query_vectors([QUERY])[0])
+    tau = float(sorted(scores, reverse=True)[1])  # the two best triples pass
+    (result,) = gsrm_refine(tools, [[AMLODIPINE]], [QUERY], tau=tau, iterations=1, top_n=500)
+    passing = {t.dst_cui for t, s in zip(g_init, scores) if s >= tau}
+    assert len(passing) == 2 and result.frontier_sizes == [2]
+    assert {t.src_cui for t in result.subgraph} == {AMLODIPINE} | passing
+    assert HYPERTENSION in passing  # "amlodipine may treat Hypertension" is about the query
+
+
+def test_gsrm_runs_at_most_k_iterations(tools: KnowledgeTools):
+    for iterations in (0, 1, 2):
+        (result,) = gsrm_refine(tools, [[AMLODIPINE]], [QUERY], tau=-1.0, iterations=iterations, top_n=10,
+                                per_relation_limit=1)
+        assert len(result.frontier_sizes) == iterations and len(result.sizes) == iterations + 1
+        assert result.sizes == sorted(result.sizes)
+
+
+def test_gsrm_returns_the_top_n_triples_of_the_grown_subgraph(tools: KnowledgeTools):
+    (result,) = gsrm_refine(tools, [[AMLODIPINE]], [QUERY], tau=-1.0, iterations=1, top_n=3, per_relation_limit=3)
+    assert len(result.triples) == 3 and len(result.subgraph) > 3
+    every = tools.score_triples(result.subgraph, tools.query_vectors([QUERY])[0])
+    assert [s for _, s in result.triples] == pytest.approx(sorted(every, reverse=True)[:3], abs=1e-6)
+
+
+def test_gsrm_advances_a_batch_of_questions_together(tools: KnowledgeTools):
+    both = gsrm_refine(tools, [[AMLODIPINE], [FABRY]], [QUERY, FABRY_SEIZURE.question], tau=1.01, iterations=2,
+                       top_n=10, per_relation_limit=2)
+    grown = gsrm_refine(tools, [[AMLODIPINE], [FABRY]], [QUERY, FABRY_SEIZURE.question], tau=-1.0, iterations=1,
+                        top_n=10, per_relation_limit=2)
+    alone = gsrm_refine(tools, [[FABRY]], [FABRY_SEIZURE.question], tau=-1.0, iterations=1, top_n=10,
+                        per_relation_limit=2)
+    assert {t.src_cui for t, _ in both[0].triples} == {AMLODIPINE} and both[1].frontier_sizes == []
+    assert [t.edge_id for t, _ in grown[1].triples] == [t.edge_id for t, _ in alone[0].triples]
+    assert grown[1].sizes == alone[0].sizes
+
+
+def _edge(tools: KnowledgeTools, src: str, relation: str, dst: str) -> Triple:
+    return next(t for t in tools.one_hop([[src]])[0] if t.relation == relation and t.dst_cui == dst)
+
+
+def test_t_kg_records_recall_of_the_gold_path_when_it_is_known(tools: KnowledgeTools):
+    treats = _edge(tools, AMLODIPINE, "may_treat", HYPERTENSION)
+    elsewhere = _edge(tools, FABRY, "has_manifestation", SEIZURE)
+    known = QaItem("test", "gold", MECHANISM.question, {}, "x", extra={"gold_path": [treats.edge_id]})
+    unreachable = QaItem("test", "far", MECHANISM.question, {}, "x", extra={"gold_path": [elsewhere.edge_id]})
+    a2rag = A2Rag(tools, ScriptedChatModel([]), A2RagConfig(retrieval="one_hop", top_n=500))
+    found, missed, unknown = a2rag.knowledge_graph([known, unreachable, MECHANISM])
+    assert (found.gold_recall, found.subgraph_gold_recall, found.recall_by_iteration) == (1.0, 1.0, [1.0])
+    assert (missed.gold_recall, missed.subgraph_gold_recall) == (0.0, 0.0)
+    assert unknown.gold_recall is None
+
+
+def test_gsrm_recall_by_iteration_shows_when_a_two_hop_gold_path_is_reached(tools: KnowledgeTools):
+    """amlodipine -may_treat-> Hypertension -manifestation_of-> X: the second edge joins G at iteration 1."""
+    treats = _edge(tools, AMLODIPINE, "may_treat", HYPERTENSION)
+    second = tools.one_hop([[HYPERTENSION]], per_relation_limit=3)[0][-1]
+    item = QaItem("test", "two-hop", MECHANISM.question, {}, "x", extra={"gold_path": [treats.edge_id, second.edge_id]})
+    a2rag = A2Rag(tools, ScriptedChatModel([]), A2RagConfig(tau=-1.0, iterations=1, top_n=500,
+                                                            max_triples_per_relation=3))
+    (result,) = a2rag.knowledge_graph([item])
+    assert result.recall_by_iteration == [0.5, 1.0] and result.stats()["gsrm_recall_by_iteration"] == [0.5, 1.0]
+
+
+def test_question_entities_come_from_the_question_and_its_options(tools: KnowledgeTools):
+    treat, fabry = tools.question_entities([TREAT, FABRY_SEIZURE])
+    assert HYPERTENSION in treat and AMLODIPINE in treat and "C9001356" in treat  # salbutamol, an option
+    assert set(fabry) >= {SEIZURE, FABRY}  # yes/no options name no concept
+
+
+def test_edge_search_ablation_takes_the_nearest_triples_of_the_edge_index(tools: KnowledgeTools):
+    a2rag = A2Rag(tools, ScriptedChatModel([]), make_config("a2rag-edge-search", {"top_n": 5}))
+    (result,) = a2rag.knowledge_graph([TREAT])
+    assert len(result.triples) == 5 and result.frontier_sizes == []
+    assert any(t.relation in ("may_treat", "may_be_treated_by") for t, _ in result.triples)
+
+
+# --------------------------------------------------------------------------- A2RAG: HIIM
+
+
+class GraphTokenModel(ScriptedChatModel):
+    """A scripted model that takes graph tokens and records what it was given."""
+
+    supports_graph_tokens = True
+    hidden_size = 8
+
+    def __init__(self, reply):
+        super().__init__(reply)
+        self.graph_tokens: list[Sequence[torch.Tensor | None] | None] = []
+
+    def generate(self, conversations, config: GenerationConfig | None = None, graph_tokens=None):
+        self.graph_tokens.append(graph_tokens)
+        return super().generate(conversations, config)
+
+
+class OnesTokenizer:
+    def encode(self, triples: Sequence[Triple]) -> torch.Tensor:
+        return torch.ones(len(triples), GraphTokenModel.hidden_size)
+
+
+def test_hiim_passes_one_graph_token_per_retrieved_triple_to_the_answer_call(tools: KnowledgeTools):
+    llm = GraphTokenModel(lambda conversation: "<answer>A</answer>")
+    config = make_config("a2rag-no-awc", CHEAP_A2RAG)
+    (result,) = run_method("a2rag", [TREAT], tools, llm, config, graph_tokenizer=OnesTokenizer())
+    (tokens,) = llm.graph_tokens[0]
+    assert result.stats["hiim"] == "graph-tokens"
+    assert tokens.shape == (len(result.steps[0].retrieved_ids), 8) and tokens.shape[0] > 0
+
+
+@pytest.mark.parametrize("use_hiim, llm_type, reason", [
+    (False, GraphTokenModel, "disabled by configuration"),
+    (True, ScriptedChatModel, "takes text only"),
+])
+def test_hiim_falls_back_to_text_and_says_why(tools: KnowledgeTools, use_hiim: bool, llm_type: type, reason: str):
+    llm = llm_type(lambda conversation: "<answer>A</answer>")
+    config = make_config("a2rag-no-awc", {**CHEAP_A2RAG, "use_hiim": use_hiim})
+    (result,) = run_method("a2rag", [TREAT], tools, llm, config, graph_tokenizer=OnesTokenizer())
+    assert result.stats["hiim"] == "text-only" and reason in result.stats["hiim_reason"]
+    assert getattr(llm, "graph_tokens", [None]) == [None]
+
+
+# --------------------------------------------------------------------------- SEMA-RAG
+
+
+def sema_reply(judgments: Sequence[str]):
+    """A SEMA-RAG script: a JSON schema, then the given E-Agent judgments in turn, a report, an answer."""
+    judged = iter(judgments)
+
+    def reply(conversation: Conversation) -> str:
+        system_prompt, last = conversation[0].content, conversation[-1].content
+        if "structured search schemas" in system_prompt:
+            return ('{"intent": "treatment", "entities": ["Hypertension"], "constraints": ["adults"], '
+                    '"query": "drugs that treat hypertension"}')
+        if "evidence reviewer" in system_prompt:
+            return next(judged)
+        if "evidence report" in last:
+            return "Sources [1] and [2] agree that amlodipine treats hypertension; [99] is not a source."
+        return "<answer>A</answer>"
+    return reply
+
+
+def test_sema_rag_stops_at_round_one_when_the_evidence_is_sufficient(tools: KnowledgeTools):
+    llm = ScriptedChatModel(sema_reply(['{"sufficient": true, "gap": "", "queries": []}']))
+    (result,) = run_method("sema-rag", [TREAT], tools, llm)
+    assert result.stats["rounds"] == 1 and result.stats["stop_reason"] == "sufficient" and result.stats["early_stop"]
+    assert [s.action for s in result.steps] == ["i_agent", "retrieve", "e_agent", "a_agent_report", "answer"]
+    assert result.steps[1].arguments["queries"] == [("drugs that treat hypertension | entities: Hypertension | "
+                                                   "constraints: adults")]
+    assert result.stats["cited_sources"] == [1, 2] and result.prediction == "A"
+
+
+def test_sema_rag_that_is_never_satisfied_stops_at_max_rounds(tools: KnowledgeTools):
+    judgments = [json.dumps({"sufficient": False, "gap": f"gap {i}", "queries": [f"amlodipine question {i}"]})
+                 for i in range(5)]
+    llm = ScriptedChatModel(sema_reply(judgments))
+    (result,) = run_method("sema-rag", [TREAT], tools, llm, make_config("sema-rag", {"max_rounds": 3}))
+    assert result.stats["rounds"] == 3 and result.stats["stop_reason"] == "max_rounds"
+    assert not result.stats["early_stop"] and result.stats["sufficiency"] == [False, False]
+    retrieves = [s for s in result.steps if s.action == "retrieve"]
+    assert [s.arguments["queries"] for s in retrieves[1:]] == [["amlodipine question 0"], ["amlodipine question 1"]]
+
+
+@pytest.mark.parametrize("judgment", [
+    "Sufficient: no\nGap: dosing\nQueries: none",
+    ('{"sufficient": false, "gap": "x", "queries": ["Drugs that treat hypertension | entities: Hypertension | '
+    'constraints: adults"]}'),
+])
+def test_sema_rag_stops_when_no_new_query_appears(tools: KnowledgeTools, judgment: str):
+    (result,) = run_method("sema-rag", [TREAT], tools, ScriptedChatModel(sema_reply([judgment])))
+    assert result.stats["rounds"] == 1 and result.stats["stop_reason"] == "no_new_query"
+    assert result.stats["early_stop"]
+
+
+def test_sema_rag_ablations_drop_their_agent(tools: KnowledgeTools):
+    no_i = run_method("sema-rag-no-i-agent", [TREAT], tools,
+                      ScriptedChatModel(sema_reply(['{"sufficient": true}'])))[0]
+    assert no_i.steps[0].action == "retrieve" and no_i.steps[0].arguments["queries"] == [TREAT.question]
+    no_e = run_method("sema-rag-no-e-agent", [TREAT], tools, ScriptedChatModel(sema_reply([])))[0]
+    assert [s.action for s in no_e.steps] == ["i_agent", "retrieve", "a_agent_report", "answer"]
+    no_a = run_method("sema-rag-no-a-agent", [TREAT], tools,
+                      ScriptedChatModel(sema_reply(['{"sufficient": true}'])))[0]
+    assert [s.action for s in no_a.steps] == ["i_agent", "retrieve", "e_agent", "answer"]
+
+
+def test_schema_and_judgment_are_read_from_json_or_key_value_lines():
+    lines = parse_schema("Intent: treatment\nEntities: hypertension, amlodipine\nQuery: first-line drugs", TREAT)
+    assert (lines.intent, lines.entities, lines.query) == ("treatment", ("hypertension", "amlodipine"),
+                                                           "first-line drugs")
+    fenced = parse_schema('```json\n{"intent": "dx", "entities": [{"name": "seizure"}], "query": "q"}\n```', TREAT)
+    assert fenced.entities == ("seizure",) and fenced.parsed
+    cut_off = parse_schema('{"intent": "treatment", "entities": ["hypertension", "amlodipine"], "query": "dru', TREAT)
+    assert cut_off.entities == ("hypertension", "amlodipine") and cut_off.query == "dru"
+    unreadable = parse_schema("I cannot do that.", TREAT)
+    assert not unreadable.parsed and unreadable.linearize() == TREAT.question
+    judgment = parse_judgment("- **Sufficient**: No\n- Gap: dose\n- Follow-up queries: a b; c d")
+    assert (judgment.sufficient, judgment.gap, judgment.queries) == (False, "dose", ("a b", "c d"))
+    assert parse_judgment("no idea").sufficient is None
+    assert parse_judgment("The evidence is sufficient to answer.").sufficient is True
+    assert parse_judgment("The evidence is not sufficient: dosing is missing.").sufficient is False
+
+
+# --------------------------------------------------------------------------- Graph-R1
+
+
+@pytest.fixture(scope="module")
+def env(retriever: Retriever) -> GraphR1Env:
+    return GraphR1Env(retriever, GraphR1Config(max_steps=4))
+
+
+def test_graph_r1_actions_return_observations_as_user_turns(env: GraphR1Env):
+    state = env.reset(TREAT)
+    assert [m.role for m in state.messages] == ["system", "user"] and "<traverse>" in state.messages[0].content
+    search = env.step(state, "<think>find the disease</think><search>hypertension</search>")
+    assert f"{HYPERTENSION} Hypertension" in search.observation and HYPERTENSION in search.retrieved_ids
+    traverse = env.step(state, f"<think>its edges</think><traverse>{HYPERTENSION}</traverse>")
+    assert f"-may_be_treated_by-> amlodipine ({AMLODIPINE})" in traverse.observation
+    analyze = env.step(state, f"<think>read</think><analyze>{AMLODIPINE}, Hypertension</analyze>")
+    assert analyze.retrieved_ids == (AMLODIPINE, HYPERTENSION) and "amlodipine" in analyze.observation.lower()
+    answer = env.step(state, "<think>amlodipine</think><answer>A</answer>")
+    assert answer.done and answer.observation is None and state.answer == "A" and state.done
+    assert [m.role for m in state.messages] == ["system", "user"] + ["assistant", "user"] * 3 + ["assistant"]
+    assert all(m.content.startswith("<observation>") and m.content.endswith("</observation>")
+               for m in state.messages[3::2])
+    assert {HYPERTENSION, AMLODIPINE} <= state.nodes and all(state.well_formed)
+
+
+def test_graph_r1_demonstration_comes_before_the_question_and_is_counted_as_prompt(retriever: Retriever):
+    state = GraphR1Env(retriever, GraphR1Config(demonstration=True)).reset(TREAT)
+    assert [m.role for m in state.messages] == ["system", "user", "assistant", "user"] and state.prompt_turns == 4
+    assert is_well_formed(state.messages[2].content) and state.messages[3].content.startswith("Question:")
+
+
+def test_graph_r1_ends_without_an_answer_at_max_steps(env: GraphR1Env):
+    state = env.reset(TREAT)
+    outcomes = [env.step(state, "<think>again</think><search>hypertension</search>") for _ in range(4)]
+    assert [o.done for o in outcomes] == [False, False, False, True]
+    assert "last turn" in outcomes[2].observation and state.truncated and state.answer is None
+    with pytest.raises(ValueError, match="already done"):
+        env.step(state, "<answer>A</answer>")
+
+
+def test_graph_r1_reports_invalid_and_disabled_actions(retriever: Retriever):
+    env = GraphR1Env(retriever, make_config("graph-r1-no-traverse"))
+    state = env.reset(TREAT)
+    assert "<traverse>" not in state.messages[0].content
+    disabled = env.step(state, f"<think>x</think><traverse>{HYPERTENSION}</traverse>")
+    assert "not available" in disabled.observation and disabled.retrieved_ids == ()
+    invalid = env.step(state, "I think the answer is amlodipine")
+    assert invalid.action == "invalid" and "No action found" in invalid.observation and not invalid.well_formed
+    empty = env.step(state, "<think>x</think><search></search>")
+    assert "is empty" in empty.observation and empty.retrieved_ids == ()
+
+
+@pytest.mark.parametrize("text, ok", [
+    ("<think>look it up</think><search>hypertension</search>", True),
+    ("<think>a</think>\n<answer>B</answer>\n", True),
+    ("<search>hypertension</search>", False),  # no think
+    ("<think></think><search>x</search>", False),  # empty think
+    ("<think>a</think><search>x</search><answer>B</answer>", False),  # two actions
+    ("<think>a</think><search>x</search> and more", False),
+    ("<think>a</think><lookup>x</lookup>", False),
+])
+def test_graph_r1_format_checker(text: str, ok: bool):
+    assert is_well_formed(text) is ok
+
+
+def test_graph_r1_reply_parsing_and_stop_restoring():
+    assert parse_action("<think>I could <search>x</search></think><traverse>C0020538</traverse>") == \
+        ("traverse", "C0020538")
+    assert parse_action("no tags") is None
+    from medgraph.llm.base import Completion
+
+    stopped = Completion("<think>a</think><search>hypertension", 5, 5, 0.1, finish_reason="stop")
+    assert restore_stop(stopped) == "<think>a</think><search>hypertension</search>"
+    cut = Completion("<think>a</think><search>hyper", 5, 5, 0.1, finish_reason="length")
+    assert restore_stop(cut) == cut.text
+
+
+def test_graph_r1_method_steps_questions_in_lockstep(tools: KnowledgeTools):
+    def reply(conversation: Conversation) -> str:
+        if question_of(conversation) == FABRY_SEIZURE.question:
+            return "<think>known</think><answer>A"  # stopped at </answer>
+        turns = assistant_turns(conversation)
+        return ["<think>find</think><search>hypertension", "<think>edges</think><traverse>C0020538",
+                "<think>done</think><answer>A"][turns]
+
+    llm = ScriptedChatModel(reply)
+    fabry, treat = run_method("graph-r1", [FABRY_SEIZURE, TREAT], tools, llm)
+    assert [len(call) for call in llm.calls] == [2, 1, 1]
+    assert llm.calls[0][0][-1].content.startswith("Question:")
+    assert (fabry.prediction, fabry.stats["turns"], treat.stats["turns"]) == ("A", 1, 3)
+    assert treat.stats["actions"] == ["search", "traverse", "answer"] and treat.stats["format_ok"]
+    assert treat.steps[0].output.endswith("</search>")
+
+
+# --------------------------------------------------------------------------- baselines, registry, traces
+
+
+def test_rag_retrieves_once_with_rrf_passages_and_triples(tools: KnowledgeTools):
+    llm = ScriptedChatModel(lambda conversation: "<answer>A</answer>")
+    (result,) = run_method("rag", [TREAT], tools, llm)
+    retrieve, answer = result.steps
+    assert (retrieve.action, answer.action) == ("retrieve", "answer") and len(retrieve.retrieved_ids) > 5
+    assert len(llm.calls) == 1
+    prompt = llm.calls[0][0][-1].content
+    assert "Text passages:\n[1]" in prompt and "Knowledge graph facts:\n1." in prompt
+
+
+def test_irag_runs_a_fixed_number_of_follow_up_rounds(tools: KnowledgeTools):
+    def reply(conversation: Conversation) -> str:
+        return "<answer>A</answer>" if "final answer" in conversation[-1].content else \
+            "1. amlodipine indications\n2. calcium channel blockers for hypertension"
+
+    llm = ScriptedChatModel(reply)
+    (result,) = run_method("irag", [TREAT], tools, llm, make_config("irag", {"iterations": 3}))
+    assert [s.action for s in result.steps] == ["follow_up"] * 3 + ["answer"] and len(llm.calls) == 4
+    assert result.steps[0].arguments["queries"] == ["amlodipine indications",
+                                                    "calcium channel blockers for hypertension"]
+    assert result.steps[0].retrieved_ids and result.prediction == "A"
+
+
+def test_configs_are_validated_and_ablations_are_presets():
+    assert make_config("a2rag-no-gsrm").retrieval == "one_hop"
+    assert make_config("a2rag", {"tau": 0.7}).tau == 0.7
+    assert make_config("graph-r1-no-analyze").actions == ("search", "traverse")
+    with pytest.raises(ValueError, match="unknown configuration fields"):
+        make_config("a2rag", {"taux": 0.7})
+    with pytest.raises(ValueError, match="unknown method"):
+        make_config("nope")
+    with pytest.raises(ValueError, match="unknown Graph-R1 actions"):
+        make_config("graph-r1", {"actions": ("fly",)})
+
+
+def test_trace_rows_flatten_every_step(tools: KnowledgeTools):
+    llm = ScriptedChatModel(lambda conversation: "<answer>A</answer>")
+    results = run_method("rag", [TREAT, ANGINA], tools, llm)
+    rows = trace_rows(results)
+    assert len(rows) == 4 and [r["step"] for r in rows] == [0, 1, 0, 1]
+    assert rows[0]["method"] == "rag" and rows[0]["qid"] == "treat"
+    assert json.loads(rows[0]["arguments"])["query"].startswith("Which")
+    totals = results[0].as_dict()
+    assert totals["prompt_tokens"] == sum(s.prompt_tokens for s in results[0].steps) > 0
+
+
+# --------------------------------------------------------------------------- the CLI
+
+
+@pytest.fixture
+def ask_home(retrieval_warehouse: Warehouse, encoder, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """MEDGRAPH_HOME holding a copy of the tiny warehouse; the session encoder; a scripted LLM."""
+    home = tmp_path / "home"
+    copy_warehouse(retrieval_warehouse, home)
+    monkeypatch.setenv("MEDGRAPH_HOME", str(home))
+    monkeypatch.setattr("medgraph.embed.encoder.load_encoder", lambda spec, **options: encoder)
+    monkeypatch.setattr("medgraph.llm.load_llm", lambda spec=None, **options: ScriptedChatModel(
+        lambda conversation: "<answer>A</answer>"))
+    return home
+
+
+def test_ask_json_prints_the_result_with_its_trace(ask_home: Path, capsys: pytest.CaptureFixture):
+    from medgraph.cli import main
+
+    code = main(["ask", "Which drug may treat hypertension?", "--option", "A=amlodipine", "--option", "B=insulin",
+                 "--method", "rag", "--json"])
+    payload = json.loads(capsys.readouterr().out)
+    assert code == 0 and payload["prediction"] == "A" and payload["method"] == "rag"
+    assert [s["action"] for s in payload["steps"]] == ["retrieve", "answer"] and "correct" not in payload
+
+
+def test_ask_trace_prints_each_step_and_the_answer(ask_home: Path, capsys: pytest.CaptureFixture):
+    from medgraph.cli import main
+
+    code = main(["ask", "Which drug may treat hypertension?", "--option", "A=amlodipine", "--option", "B=insulin",
+                 "--method", "cot", "--trace"])
+    out = capsys.readouterr().out
+    assert code == 0 and "step 0: answer" in out and out.strip().endswith("answer: A. amlodipine")
+    assert main(["ask", "x", "--method", "a2rag", "--set", "taux=1"]) == 2
+
+
+# --------------------------------------------------------------------------- end to end with SmolLM2
+
+E2E_CONFIGS = {  # few steps and tokens: this checks that each method runs on a real model, not how well
+    "a2rag": {"max_steps": 2, "iterations": 1, "max_triples_per_relation": 3, "top_n": 15, "context_triples": 10,
+              "observe_triples": 5, "text_k": 1, "max_new_tokens": 24},
+    "graph-r1": {"max_steps": 2, "max_new_tokens": 24, "search_k": 4, "traverse_limit": 8, "demonstration": True},
+    "sema-rag": {"max_rounds": 2, "max_new_tokens": 16, "text_k": 1, "triples_per_round": 3},
+    "cot": {"max_new_tokens": 16},
+    "rag": {"text_k": 2, "triples_k": 5, "max_new_tokens": 16},
+    "irag": {"iterations": 1, "text_k": 1, "max_new_tokens": 16},
+}
+
+
+@pytest.fixture(scope="module")
+def smollm2(tmp_path_factory: pytest.TempPathFactory):
+    from medgraph.llm import load_llm
+
+    model = load_llm("smollm2-135m-instruct", home=tmp_path_factory.mktemp("llm_home"), device="cpu")
+    yield model
+    model.close()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", list(METHODS))
+def test_every_method_runs_end_to_end_with_smollm2(method: str, tools: KnowledgeTools, smollm2):
+    results = run_method(method, [TREAT, MECHANISM], tools, smollm2, make_config(method, E2E_CONFIGS[method]),
+                         batch_size=2)
+    assert [r.qid for r in results] == ["treat", "mechanism"]
+    for result in results:
+        assert result.steps and result.method == method
+        assert result.completion_tokens > 0 and result.latency_s > 0
+        assert result.parse_failed == (result.prediction is None)
+        assert any(step.output for step in result.steps)
+    rows = trace_rows(results)
+    assert len(rows) == sum(len(r.steps) for r in results)
+
+
+@pytest.mark.slow
+def test_a2rag_gives_smollm2_graph_tokens_as_input_embeddings(tools: KnowledgeTools, smollm2):
+    class SmallRandomTokens:  # a stand-in projector: the point is the inputs_embeds path, not the values
+        def encode(self, triples: Sequence[Triple]) -> torch.Tensor:
+            return torch.randn(len(triples), smollm2.hidden_size, generator=torch.Generator().manual_seed(0)) * 0.05
+
+    config = make_config("a2rag-no-awc", {**CHEAP_A2RAG, "top_n": 10, "max_new_tokens": 8})
+    results = run_method("a2rag", [TREAT, MECHANISM], tools, smollm2, config, graph_tokenizer=SmallRandomTokens())
+    for result in results:
+        answer = result.steps[-1]
+        assert result.stats["hiim"] == "graph-tokens" and answer.arguments["graph_tokens"] == 10
+        assert answer.completion_tokens > 0
