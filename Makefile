@@ -46,9 +46,17 @@ $(DAGSTER_HOME)/dagster.yaml: deploy/local/dagster.yaml
 test: install
 	$(BIN)/pytest
 
+# Data and models first, then each benchmark dataset (the evaluations are partitioned by dataset), then the report.
+EVALUATIONS := group:evaluation and not key:"eval/evaluation_report"
 demo: install $(DAGSTER_HOME)/dagster.yaml
-	$(BIN)/dagster asset materialize -m definitions --select '*' -c deploy/local/demo_run_config.yaml
+	$(BIN)/dagster asset materialize -m definitions --select 'not group:evaluation' -c deploy/local/demo_run_config.yaml
+	for dataset in $$($(BIN)/python -c "from platform_assets.evaluation import DATASETS; print(*DATASETS.get_partition_keys())"); do \
+	  $(BIN)/dagster asset materialize -m definitions --select '$(EVALUATIONS)' --partition $$dataset \
+	    -c deploy/local/demo_eval_config.yaml; \
+	done
+	$(BIN)/dagster asset materialize -m definitions --select 'key:"eval/evaluation_report"'
 	$(BIN)/medgraph status
+	@echo "report: $(MEDGRAPH_HOME)/reports/report.html   UI: make ui (then http://127.0.0.1:3000)"
 
 ui: install $(DAGSTER_HOME)/dagster.yaml
 	$(BIN)/dagster dev -w workspace.yaml

@@ -175,6 +175,51 @@ def _cmd_ask(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_models(args: argparse.Namespace) -> int:
+    """Registered models: `list` (every model, its champion and latest version) or `show NAME[@ALIAS|/VERSION]`."""
+    from mlflow.exceptions import MlflowException
+
+    from medgraph.settings import load_settings
+    from medgraph.tracking import Tracking
+
+    settings = load_settings()
+    tracking = Tracking(settings.mlflow_tracking_uri, str(settings.home / "artifacts"))
+    client = tracking.client
+    if args.action == "list":
+        models = client.search_registered_models()
+        if not models:
+            print(f"no registered models in {tracking.tracking_uri} (run `make demo`)")
+            return 1
+        print(f"{'model':<28} {'champion':>9} {'latest':>7}  tracking URI {tracking.tracking_uri}")
+        for model in sorted(models, key=lambda m: m.name):
+            champion = tracking.champion_version(model.name)
+            latest = max((int(v.version) for v in client.search_model_versions(f"name='{model.name}'")), default=0)
+            print(f"{model.name:<28} {'v' + champion if champion else '-':>9} {'v' + str(latest):>7}")
+        return 0
+    name, _, alias = args.model.partition("@")
+    name, _, version = name.partition("/")
+    try:
+        if version:
+            found = client.get_model_version(name, version)
+        else:
+            found = client.get_model_version_by_alias(name, alias or "champion")
+    except MlflowException as error:
+        print(f"{args.model}: not found in {tracking.tracking_uri} ({error})")
+        return 1
+    run = client.get_run(found.run_id)
+    print(f"{name} v{found.version}  aliases: {', '.join(found.aliases) or '-'}")
+    print(f"  run        {found.run_id} (experiment {run.info.experiment_id}, {run.info.status})")
+    print(f"  source     {found.source}")
+    for key in sorted(found.tags):
+        print(f"  tag        {key} = {found.tags[key]}")
+    lineage = {k: v for k, v in run.data.tags.items() if k.startswith(("data_version/", "dagster/", "lineage/"))}
+    for key in sorted(lineage):
+        print(f"  lineage    {key} = {lineage[key]}")
+    for key in sorted(run.data.metrics):
+        print(f"  metric     {key} = {run.data.metrics[key]:.4g}")
+    return 0
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="medgraph", description="MedGraph: UMLS knowledge graph and GraphRAG.")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -202,6 +247,13 @@ def _parser() -> argparse.ArgumentParser:
     ask.add_argument("--trace", action="store_true", help="print the step-by-step trace")
     ask.add_argument("--json", action="store_true", help="print the result (trace included) as JSON")
     ask.set_defaults(handler=_cmd_ask)
+
+    models = commands.add_parser("models", help="registered models: list, or show NAME[@ALIAS|/VERSION]")
+    model_actions = models.add_subparsers(dest="action", required=True, metavar="ACTION")
+    model_actions.add_parser("list", help="every registered model with its champion and latest version")
+    show = model_actions.add_parser("show", help="one version: metrics, run, data lineage (default alias: champion)")
+    show.add_argument("model", help="e.g. medgraph-gat, medgraph-gat@champion, medgraph-gat/3")
+    models.set_defaults(handler=_cmd_models)
     return parser
 
 

@@ -17,6 +17,7 @@ class Settings:
     encoder: str
     llm: str
     mlflow_tracking_uri: str
+    benchmark: str = "kg"  # evaluation benchmark spec (medgraph.eval.benchmarks)
 
     @property
     def warehouse_path(self) -> Path:
@@ -45,4 +46,5 @@ def load_settings(env: dict[str, str] | None = None) -> Settings:
         encoder=env.get("MEDGRAPH_ENCODER") or "minilm",
         llm=env.get("MEDGRAPH_LLM") or "smollm2-135m-instruct",
         mlflow_tracking_uri=env.get("MLFLOW_TRACKING_URI") or f"sqlite:///{home / 'mlflow.db'}",
+        benchmark=env.get("MEDGRAPH_BENCHMARK") or "kg",
     )

@@ -24,3 +24,26 @@ def test_status_lists_tables_with_row_counts(medgraph_home: Path, warehouse, rel
     out = capsys.readouterr().out
     assert f"umls.mrsty{' ' * 30}" in out
     assert f"{warehouse.count('umls.mrrel'):,} rows" in out
+
+
+def test_models_list_and_show_read_the_registry(medgraph_home: Path, mlflow_db: Path,
+                                                monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture):
+    import mlflow
+    import torch
+
+    from medgraph.tracking import Tracking
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{mlflow_db}")
+    assert main(["models", "list"]) == 1 and "no registered models" in capsys.readouterr().out
+    tracking = Tracking(f"sqlite:///{mlflow_db}", str(medgraph_home / "artifacts"))
+    with tracking.start_run("gat_model", tags={"data_version/kg/kg_edges": "abc123"}):
+        mlflow.log_metric("valid_roc_auc", 0.9)
+        uri = tracking.log_torch_model(torch.nn.Linear(2, 1))
+    tracking.promote_if_better("medgraph-gat", tracking.register(uri, "medgraph-gat"), "valid_roc_auc")
+
+    assert main(["models", "list"]) == 0
+    assert "medgraph-gat" in capsys.readouterr().out
+    assert main(["models", "show", "medgraph-gat@champion"]) == 0
+    out = capsys.readouterr().out
+    assert "medgraph-gat v1" in out and "valid_roc_auc = 0.9" in out and "data_version/kg/kg_edges = abc123" in out
+    assert main(["models", "show", "medgraph-gat/7"]) == 1

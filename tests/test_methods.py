@@ -629,13 +629,22 @@ E2E_CONFIGS = {  # few steps and tokens: this checks that each method runs on a 
 }
 
 
-@pytest.fixture(scope="module")
-def smollm2(tmp_path_factory: pytest.TempPathFactory):
-    from medgraph.llm import load_llm
+@pytest.mark.slow
+def test_the_methods_run_over_the_openai_compatible_backend_against_a_loopback_server(tools: KnowledgeTools,
+                                                                                     smollm2):
+    """The same methods with the HTTP backend: a real OpenAI-compatible server on 127.0.0.1 serving SmolLM2."""
+    from medgraph.llm.openai_http import OpenAIChatModel
+    from medgraph.llm.serve import serve
 
-    model = load_llm("smollm2-135m-instruct", home=tmp_path_factory.mktemp("llm_home"), device="cpu")
-    yield model
-    model.close()
+    with serve(smollm2, port=0) as server:
+        remote = OpenAIChatModel("smollm2-135m-instruct", server.url)
+        for method in ("a2rag", "graph-r1", "sema-rag"):
+            config = make_config(method, E2E_CONFIGS[method])
+            (result,) = run_method(method, [TREAT], tools, remote, config, batch_size=1)
+            assert result.steps and result.prompt_tokens > 0
+            assert result.stats.get("hiim", "text-only") == "text-only"  # HTTP serves text only
+        remote.close()
+    assert server.batches  # the requests went over HTTP to the loopback server
 
 
 @pytest.mark.slow

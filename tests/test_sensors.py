@@ -40,3 +40,42 @@ def test_release_sensor_skips_while_the_release_is_missing(tmp_path: Path):
     missing = UmlsReleaseResource(home=str(tmp_path), umls_dir=str(tmp_path / "not-there"))
     result = evaluate(missing, None)
     assert not result.run_requests and "not a directory" in result.skip_reason.skip_message
+
+
+def register_gat(tracking, auc: float) -> str:
+    import mlflow
+    import torch
+
+    with tracking.start_run("gat_model"):
+        mlflow.log_metric("valid_roc_auc", auc)
+        uri = tracking.log_torch_model(torch.nn.Linear(2, 1))
+    version = tracking.register(uri, "medgraph-gat")
+    tracking.promote_if_better("medgraph-gat", version, "valid_roc_auc")
+    return version
+
+
+def test_champion_sensor_requests_evaluations_only_when_an_alias_moves(mlflow_db: Path, tmp_path: Path):
+    from platform_assets.evaluation import DATASETS
+    from resources import MlflowResource
+    from sensors.registry import champion_sensor
+
+    resource = MlflowResource(tracking_uri=f"sqlite:///{mlflow_db}", artifact_root=str(tmp_path / "artifacts"))
+    tracking = resource.tracking()
+
+    def evaluate_registry(cursor: str | None) -> dg.SensorResult:
+        return champion_sensor(dg.build_sensor_context(cursor=cursor, resources={"mlflow_tracking": resource}))
+
+    empty = evaluate_registry(None)
+    assert not empty.run_requests  # nothing registered: nothing to evaluate
+
+    register_gat(tracking, 0.80)
+    first = evaluate_registry(empty.cursor)
+    assert sorted(r.partition_key for r in first.run_requests) == sorted(DATASETS.get_partition_keys())
+    assert all("medgraph-gat=v1" in r.run_key for r in first.run_requests)
+
+    assert not evaluate_registry(first.cursor).run_requests  # doing nothing requests nothing
+    register_gat(tracking, 0.70)  # worse: registered, but the alias stays on v1
+    assert not evaluate_registry(first.cursor).run_requests
+    register_gat(tracking, 0.90)
+    better = evaluate_registry(first.cursor)
+    assert better.run_requests and all("medgraph-gat=v3" in r.run_key for r in better.run_requests)

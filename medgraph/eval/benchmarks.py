@@ -20,7 +20,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from medgraph.kg.qa import QaItem, load_mirage
+from medgraph.kg.qa import DATASET_OF_TYPE, QaItem, load_mirage
 
 PUBMEDQA_OPTIONS = {"A": "yes", "B": "no", "C": "maybe"}
 KINDS = ("kg", "mirage", "pubmedqa", "jsonl")
@@ -139,9 +139,30 @@ def load_benchmark(spec: str, home: Path, limit_per_dataset: int | None = None) 
     return by_dataset
 
 
+KG_DATASETS = tuple(sorted(set(DATASET_OF_TYPE.values())))  # the embedded split's datasets
+
+
 def dataset_names(spec: str, home: Path) -> Sequence[str]:
-    """The dataset names a spec yields (reads the files: partitions must match what evaluation sees)."""
-    return sorted(load_benchmark(spec, home))
+    """The dataset names a spec yields, known before any asset runs (the evaluation partitions).
+
+    Only a MIRAGE file without a dataset selector is opened, to list its datasets.
+    """
+    names: list[str] = []
+    for source in parse_benchmark_spec(spec, home):
+        if source.kind == "kg":
+            names += KG_DATASETS
+        elif source.kind == "pubmedqa":
+            names.append("pubmedqa")
+        elif source.kind == "jsonl":
+            names.append(source.datasets[0] if source.datasets else source.path.stem)
+        elif source.datasets:
+            names += source.datasets
+        else:
+            data = _read_json(source.path)
+            if not isinstance(data, dict):
+                raise BenchmarkFormatError(f"{source.path}: expected an object of datasets")
+            names += list(data)
+    return sorted(set(names))
 
 
 def _read_json(path: Path) -> object:

@@ -21,6 +21,7 @@ import random
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -307,7 +308,11 @@ def load_champion_graph_tokenizer(llm: ChatModel, warehouse: Warehouse | None = 
         log.info("HIIM off: %s takes text only", llm.name)
         return None
     settings = load_settings()
-    tracking = Tracking(tracking_uri or settings.mlflow_tracking_uri, str(settings.home / "artifacts"))
+    tracking_uri = tracking_uri or settings.mlflow_tracking_uri
+    if tracking_uri.startswith("sqlite:///") and not Path(tracking_uri.removeprefix("sqlite:///")).exists():
+        log.info("HIIM off: no MLflow database at %s", tracking_uri)  # and do not create one by asking
+        return None
+    tracking = Tracking(tracking_uri, str(settings.home / "artifacts"))
     if tracking.champion_version(PROJECTOR_MODEL_NAME) is None:
         log.info("HIIM off: no %s@champion in %s", PROJECTOR_MODEL_NAME, tracking.tracking_uri)
         return None

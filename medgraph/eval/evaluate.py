@@ -1,0 +1,173 @@
+"""Run methods on a benchmark, summarize them honestly, and store results and traces as tables.
+
+Metrics follow DESIGN.md "Evaluation protocol": accuracy with its binomial
+standard error; an unparseable answer counts as wrong and is reported as the
+parse-failure rate; cost as tokens per question and latency p50/p95; method
+statistics (A2RAG routing shares and HIIM mode, SEMA-RAG rounds and early
+stops, Graph-R1 steps, GSRM recall per iteration when gold paths are known).
+
+Tables: `lake/eval/<table>/<dataset>.parquet` (one file per dataset partition,
+replaced atomically) behind the views `eval.<table>`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections import Counter
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from medgraph.methods.common import MethodResult, trace_rows
+from medgraph.storage import Warehouse, sql_literal
+
+SCHEMA = "eval"
+
+
+@dataclass(frozen=True)
+class MethodSummary:
+    """One method (or ablation) on one dataset."""
+
+    method: str
+    dataset: str
+    questions: int
+    accuracy: float
+    accuracy_se: float  # binomial standard error sqrt(p (1 - p) / n)
+    parse_failure_rate: float
+    mean_f1: float
+    prompt_tokens: float  # per question
+    completion_tokens: float
+    llm_calls: float
+    latency_p50_s: float
+    latency_p95_s: float
+    extra: dict[str, float]  # method statistics (routing shares, rounds, steps, GSRM recall, ...)
+
+    def as_row(self) -> dict[str, object]:
+        row = {k: v for k, v in self.__dict__.items() if k != "extra"}
+        row["extra"] = json.dumps(self.extra, sort_keys=True)
+        return row
+
+
+def binomial_se(correct: int, n: int) -> float:
+    if n == 0:
+        return float("nan")
+    p = correct / n
+    return math.sqrt(p * (1 - p) / n)
+
+
+def _shares(values: Iterable[object], prefix: str) -> dict[str, float]:
+    counts = Counter(str(v) for v in values)
+    total = sum(counts.values())
+    return {f"{prefix}{k}": c / total for k, c in sorted(counts.items())} if total else {}
+
+
+def method_statistics(results: Sequence[MethodResult]) -> dict[str, float]:
+    """Method-specific statistics, from each result's `stats` (whatever the method records)."""
+    stats: dict[str, float] = {}
+    routing = [r.stats["routing"] for r in results if "routing" in r.stats]
+    stats.update(_shares(routing, "routing_share/"))
+    stats.update(_shares([r.stats["hiim"] for r in results if "hiim" in r.stats], "hiim_share/"))
+    rounds = [float(r.stats["rounds"]) for r in results if "rounds" in r.stats]
+    if rounds:
+        stats["rounds_mean"] = float(np.mean(rounds))
+        stats.update({f"rounds_share/{k}": v for k, v in _shares([int(x) for x in rounds], "").items()})
+    early = [bool(r.stats["early_stop"]) for r in results if "early_stop" in r.stats]
+    if early:
+        stats["early_stop_rate"] = float(np.mean(early))
+    if results and results[0].method.startswith("graph-r1"):
+        stats["steps_mean"] = float(np.mean([len(r.steps) for r in results]))
+        actions = [s.action for r in results for s in r.steps]
+        stats.update(_shares(actions, "action_share/"))
+    for key in ("gsrm_gold_recall", "gsrm_subgraph_gold_recall", "gsrm_iterations", "gsrm_returned"):
+        values = [float(r.stats[key]) for r in results if r.stats.get(key) is not None]
+        if values:
+            stats[f"{key}_mean"] = float(np.mean(values))
+    # Recall of the gold triples in the subgraph after each GSRM iteration (0 = the 1-hop G_init).
+    by_iteration = [r.stats["gsrm_recall_by_iteration"] for r in results
+                    if isinstance(r.stats.get("gsrm_recall_by_iteration"), list)]
+    for iteration in range(max((len(x) for x in by_iteration), default=0)):
+        values = [x[iteration] for x in by_iteration if len(x) > iteration and x[iteration] is not None]
+        if values:
+            stats[f"gsrm_recall/iter{iteration}"] = float(np.mean(values))
+    return stats
+
+
+def summarize(results: Sequence[MethodResult]) -> list[MethodSummary]:
+    """One summary per (method, dataset), in first-seen order."""
+    groups: dict[tuple[str, str], list[MethodResult]] = {}
+    for result in results:
+        groups.setdefault((result.method, result.dataset), []).append(result)
+    summaries = []
+    for (method, dataset), group in groups.items():
+        n = len(group)
+        correct = sum(r.correct for r in group)
+        latencies = np.array([r.latency_s for r in group])
+        summaries.append(MethodSummary(
+            method=method, dataset=dataset, questions=n, accuracy=correct / n, accuracy_se=binomial_se(correct, n),
+            parse_failure_rate=sum(r.parse_failed for r in group) / n, mean_f1=float(np.mean([r.f1 for r in group])),
+            prompt_tokens=float(np.mean([r.prompt_tokens for r in group])),
+            completion_tokens=float(np.mean([r.completion_tokens for r in group])),
+            llm_calls=float(np.mean([r.llm_calls for r in group])),
+            latency_p50_s=float(np.percentile(latencies, 50)), latency_p95_s=float(np.percentile(latencies, 95)),
+            extra=method_statistics(group),
+        ))
+    return summaries
+
+
+def markdown_table(summaries: Sequence[MethodSummary]) -> str:
+    lines = ["| method | dataset | n | accuracy | parse failures | tokens/q | latency p50 / p95 (s) |",
+             "|---|---|---|---|---|---|---|"]
+    for s in summaries:
+        lines.append(f"| {s.method} | {s.dataset} | {s.questions} | {s.accuracy:.3f} ± {s.accuracy_se:.3f} "
+                     f"| {s.parse_failure_rate:.1%} | {s.prompt_tokens + s.completion_tokens:.0f} "
+                     f"| {s.latency_p50_s:.2f} / {s.latency_p95_s:.2f} |")
+    return "\n".join(lines)
+
+
+# --- tables -------------------------------------------------------------------------------------------------
+
+
+def result_rows(results: Iterable[MethodResult]) -> list[dict[str, object]]:
+    return [{"method": r.method, "dataset": r.dataset, "qid": r.qid, "answer": r.answer, "prediction": r.prediction,
+             "parse_failed": r.parse_failed, "correct": r.correct, "f1": r.f1, "steps": len(r.steps),
+             "prompt_tokens": r.prompt_tokens, "completion_tokens": r.completion_tokens, "latency_s": r.latency_s,
+             "stats": json.dumps(r.stats, sort_keys=True, default=str)} for r in results]
+
+
+def write_partition(warehouse: Warehouse, table: str, partition: str, rows: Sequence[Mapping[str, object]]) -> Path:
+    """Replace one dataset's file of `eval.<table>` atomically and (re)point the view at all files."""
+    lake = warehouse.lake
+    folder = lake.root / SCHEMA / table
+    folder.mkdir(parents=True, exist_ok=True)
+    final = folder / f"{_safe(partition)}.parquet"
+    staging = folder / f".{final.name}.tmp"
+    try:
+        pq.write_table(pa.Table.from_pylist(list(rows)), staging, compression="zstd")
+        staging.replace(final)
+    except BaseException:
+        staging.unlink(missing_ok=True)
+        raise
+    glob = sql_literal(str(folder / "*.parquet"))
+    with warehouse.connect() as con:
+        con.execute(f"CREATE SCHEMA IF NOT EXISTS {SCHEMA}")
+        con.execute(f"CREATE OR REPLACE VIEW {SCHEMA}.{table} AS SELECT * FROM read_parquet({glob}, union_by_name = true)")
+    return final
+
+
+def write_run(warehouse: Warehouse, asset: str, dataset: str, results: Sequence[MethodResult],
+              summaries: Sequence[MethodSummary]) -> dict[str, Path]:
+    """The results, traces and summary tables of one evaluation asset's dataset partition."""
+    return {
+        "results": write_partition(warehouse, f"{asset}_results", dataset, result_rows(results)),
+        "traces": write_partition(warehouse, f"{asset}_traces", dataset, trace_rows(results)),
+        "summary": write_partition(warehouse, f"{asset}_summary", dataset, [s.as_row() for s in summaries]),
+    }
+
+
+def _safe(name: str) -> str:
+    return "".join(c if c.isalnum() or c in "-_." else "_" for c in name)

@@ -1,0 +1,235 @@
+"""Evaluation: the benchmark as data, one asset per method family (partitioned by dataset), the report.
+
+Every method runs on the same KG, corpus, encoder, LLM and scorer; models come
+from the MLflow registry by alias (HIIM projector and Graph-R1 policy
+`@champion`, when registered). Results and per-step traces are tables
+(`eval.<asset>_results`, `eval.<asset>_traces`, `eval.<asset>_summary`), the
+metrics go to MLflow and to the asset's metadata.
+"""
+
+import json
+import os
+from pathlib import Path
+
+import dagster as dg
+import mlflow
+
+from medgraph.eval.benchmarks import dataset_names, load_benchmark
+from medgraph.eval.evaluate import markdown_table, summarize, write_run
+from medgraph.kg.qa import load_mirage
+from medgraph.methods.registry import make_config, run_method
+from medgraph.methods.tools import KnowledgeTools
+from medgraph.retrieval import Retriever
+from medgraph.settings import load_settings
+from resources import EncoderResource, LlmResource, MlflowResource, WarehouseResource
+
+SETTINGS = load_settings()
+DATASETS = dg.StaticPartitionsDefinition(list(dataset_names(SETTINGS.benchmark, SETTINGS.home)))
+
+
+def _mirage_entry(item) -> dict[str, object]:  # a QaItem, written back in MIRAGE form
+    entry: dict[str, object] = {"question": item.question, "options": item.options, "answer": item.answer}
+    if item.acceptable_answers:
+        entry["acceptable_answers"] = list(item.acceptable_answers)
+    return entry
+
+
+class BenchmarkConfig(dg.Config):
+    spec: str = SETTINGS.benchmark
+    """Benchmark sources (MEDGRAPH_BENCHMARK): kg, mirage:PATH[#a+b], pubmedqa:PATH, jsonl:PATH[#name]."""
+    limit: int | None = None
+    """Questions per dataset (the first N in file order); None: all."""
+
+
+@dg.asset(
+    key=["eval", "qa_benchmark"],
+    deps=[dg.AssetKey(["qa", "qa_items"])],
+    partitions_def=DATASETS,
+    group_name="evaluation",
+    kinds={"json"},
+    code_version="1",
+    automation_condition=dg.AutomationCondition.eager(),
+)
+def qa_benchmark(context: dg.AssetExecutionContext, config: BenchmarkConfig,
+                 warehouse: WarehouseResource) -> dg.MaterializeResult:
+    """One dataset of the benchmark, frozen as a MIRAGE-format file `$MEDGRAPH_HOME/eval/benchmark/<dataset>.json`
+    (the embedded KG-derived test split by default, or MIRAGE / PubMedQA / JSONL files)."""
+    dataset = context.partition_key
+    benchmark = load_benchmark(config.spec, Path(warehouse.home), config.limit)
+    if dataset not in benchmark:
+        raise dg.Failure(f"benchmark {config.spec!r} has no dataset {dataset!r} (it has {sorted(benchmark)})")
+    items = benchmark[dataset]
+    path = Path(warehouse.home) / "eval" / "benchmark" / f"{dataset}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    staging = path.with_suffix(".json.tmp")
+    staging.write_text(json.dumps({dataset: {i.qid: _mirage_entry(i) for i in items}}, ensure_ascii=False))
+    os.replace(staging, path)
+    return dg.MaterializeResult(metadata={"questions": len(items), "path": dg.MetadataValue.path(str(path)),
+                                          "spec": config.spec,
+                                          "multiple_choice": sum(i.is_multiple_choice for i in items)})
+
+
+class EvalConfig(dg.Config):
+    methods: list[str] | None = None
+    """Methods or named ablations to run (default: the asset's methods)."""
+    limit: int | None = None
+    """Questions of the dataset to evaluate (the first N); None: all."""
+    batch_size: int = 8
+    """Questions advancing in lockstep (one LLM call per agent step)."""
+    method_config: str = "{}"
+    """JSON object: method or ablation name -> configuration overrides, e.g. {"a2rag": {"tau": 0.4}}."""
+
+
+def _load_graph_tokenizer(chat, store, tracking_uri: str):
+    from medgraph.gnn.graph_tokens import load_champion_graph_tokenizer
+
+    return load_champion_graph_tokenizer(chat, store, tracking_uri)
+
+
+def _load_policy(tracking_uri: str, home: Path):
+    """The champion Graph-R1 policy, or None (the base LLM then plays the policy)."""
+    try:
+        from medgraph.rl.policy import load_champion_policy
+    except ImportError:
+        return None
+    return load_champion_policy(tracking_uri=tracking_uri, home=home)
+
+
+def _eval_asset(name: str, methods: tuple[str, ...], model_deps: tuple[dg.AssetKey, ...], description: str):
+    inputs = [dg.AssetKey(["eval", "qa_benchmark"]), dg.AssetKey(["embeddings", "node_embeddings"]),
+              dg.AssetKey(["embeddings", "edge_embeddings"]), dg.AssetKey(["embeddings", "chunk_embeddings"]),
+              *model_deps]
+
+    @dg.asset(
+        key=["eval", name],
+        deps=inputs,
+        partitions_def=DATASETS,
+        group_name="evaluation",
+        kinds={"duckdb", "parquet", "mlflow"},
+        pool="gpu",
+        code_version="1",
+        description=description,
+        automation_condition=dg.AutomationCondition.eager(),
+    )
+    def _evaluate(context: dg.AssetExecutionContext, config: EvalConfig, warehouse: WarehouseResource,
+                  encoder: EncoderResource, llm: LlmResource, mlflow_tracking: MlflowResource) -> dg.MaterializeResult:
+        dataset = context.partition_key
+        home = Path(warehouse.home)
+        items = load_mirage(home / "eval" / "benchmark" / f"{dataset}.json")[: config.limit]
+        overrides = json.loads(config.method_config)
+        store = warehouse.open()
+        chat = llm.load()
+        tracking_uri = mlflow_tracking.tracking_uri
+        graph_tokenizer = _load_graph_tokenizer(chat, store, tracking_uri) if "a2rag" in name else None
+        policy = _load_policy(tracking_uri, home) if name == "eval_graph_r1" else None
+        lineage = {"llm": chat.name, "encoder": encoder.load().encoder_id,
+                   "hiim": "graph-tokens" if graph_tokenizer is not None else "text-only",
+                   "graph_r1_policy": getattr(policy, "name", "base LLM") if name == "eval_graph_r1" else "n/a"}
+        results = []
+        with Retriever(store, encoder.load()) as retriever, \
+                mlflow_tracking.start_asset_run(context, inputs, run_name=f"{name}-{dataset}") as run:
+            mlflow.set_tags({"dataset": dataset, **{f"lineage/{k}": v for k, v in lineage.items()}})
+            tools = KnowledgeTools(retriever)
+            for method in config.methods or methods:
+                model = policy if (method.startswith("graph-r1") and policy is not None) else chat
+                context.log.info(f"{method} on {dataset}: {len(items)} questions with {model.name}")
+                results += run_method(method, items, tools, model, make_config(method, overrides.get(method)),
+                                      batch_size=config.batch_size, graph_tokenizer=graph_tokenizer)
+            summaries = summarize(results)
+            for s in summaries:
+                mlflow.log_metrics({f"{s.method}/{k}": v for k, v in s.as_row().items()
+                                    if isinstance(v, float | int) and not isinstance(v, bool)})
+                mlflow.log_metrics({f"{s.method}/{k}": v for k, v in s.extra.items()})
+            mlflow.log_dict({"summaries": [s.as_row() for s in summaries], "lineage": lineage},
+                            f"summary_{dataset}.json")
+            run_id = run.info.run_id
+        paths = write_run(store, name, dataset, results, summaries)
+        metadata: dict[str, object] = {
+            "summary": dg.MetadataValue.md(markdown_table(summaries)),
+            "mlflow_run_id": run_id, "questions": len(items), **lineage,
+            "results_table": f"eval.{name}_results", "traces_table": f"eval.{name}_traces",
+            "results_path": dg.MetadataValue.path(str(paths["results"])),
+        }
+        for s in summaries:
+            metadata[f"{s.method}/accuracy"] = s.accuracy
+            metadata[f"{s.method}/parse_failure_rate"] = s.parse_failure_rate
+        return dg.MaterializeResult(metadata=metadata)
+
+    return _evaluate
+
+
+GAT = dg.AssetKey(["models", "gat_model"])
+PROJECTOR = dg.AssetKey(["models", "hiim_projector"])
+POLICY = dg.AssetKey(["models", "graph_r1_policy"])
+
+eval_assets = [
+    _eval_asset("eval_baselines", ("cot", "rag", "irag"), (),
+                "Baselines: chain of thought, single-round hybrid RAG (MedRAG style), follow-up RAG (i-MedRAG style)."),
+    _eval_asset("eval_a2rag", ("a2rag",), (GAT, PROJECTOR),
+                "A2RAG (AWC + GSRM + HIIM with the champion projector, text-only fallback recorded)."),
+    _eval_asset("eval_graph_r1", ("graph-r1",), (),
+                "The Graph-R1 agent driven by the champion policy (the base LLM when none is registered)."),
+    _eval_asset("eval_sema_rag", ("sema-rag",), (),
+                "SEMA-RAG (I-Agent schema, E-Agent sufficiency loop, A-Agent evidence report)."),
+]
+
+def _reward_curves(tracking, name: str) -> dict[str, list[tuple[int, float]]]:
+    """Reward-like metric histories of the champion's training run (empty when none is registered)."""
+    version = tracking.champion_version(name)
+    if version is None:
+        return {}
+    run = tracking.client.get_run(tracking.client.get_model_version(name, version).run_id)
+    curves = {}
+    for key in sorted(run.data.metrics):
+        if any(word in key for word in ("reward", "format_rate", "kl", "valid_accuracy")):
+            history = tracking.client.get_metric_history(run.info.run_id, key)
+            curves[key] = [(m.step, m.value) for m in sorted(history, key=lambda m: m.step)]
+    return curves
+
+
+@dg.asset(
+    key=["eval", "evaluation_report"],
+    deps=[a.key for a in eval_assets],
+    group_name="evaluation",
+    kinds={"html", "markdown", "mlflow"},
+    code_version="1",
+    automation_condition=dg.AutomationCondition.eager(),
+)
+def evaluation_report(context: dg.AssetExecutionContext, warehouse: WarehouseResource, encoder: EncoderResource,
+                      llm: LlmResource, mlflow_tracking: MlflowResource) -> dg.MaterializeResult:
+    """`$MEDGRAPH_HOME/reports/report.md` and `report.html`: accuracy with error bars, ablations, routing,
+    rounds, GSRM recall, GRPO reward curve, cost, and the lineage of every number."""
+    from medgraph.eval.report import ReportData, build_report, read_summaries
+
+    store = warehouse.open()
+    tracking = mlflow_tracking.tracking()
+    release = context.instance.get_latest_data_version_record(dg.AssetKey("umls_release"))
+    from dagster._core.definitions.data_version import extract_data_version_from_entry
+
+    fingerprint = extract_data_version_from_entry(release.event_log_entry) if release else None
+    lineage = {"release fingerprint": fingerprint.value if fingerprint else "unknown",
+               "encoder": encoder.spec, "LLM": llm.spec, "benchmark": SETTINGS.benchmark}
+    for name in ("medgraph-gat", "medgraph-hiim-projector", "medgraph-graph-r1-policy"):
+        lineage[f"{name}@champion"] = f"v{tracking.champion_version(name)}" if tracking.champion_version(name) \
+            else "none registered"
+    summaries = read_summaries(store)
+    if not summaries:
+        raise dg.Failure("no evaluation results yet: materialize the eval/* assets first")
+    data = ReportData(summaries, lineage, _reward_curves(tracking, "medgraph-graph-r1-policy"))
+    paths = build_report(data, Path(warehouse.home) / "reports")
+    with mlflow_tracking.start_asset_run(context, [a.key for a in eval_assets]):
+        mlflow.log_artifact(str(paths["markdown"]))
+        mlflow.log_artifact(str(paths["html"]))
+        # MLflow tag keys allow letters, digits, "_-. :/" only.
+        mlflow.set_tags({"lineage/" + "".join(c if c.isalnum() or c in "_-. :/" else ":" for c in k): v
+                         for k, v in lineage.items()})
+    context.log.info(f"report: {paths['html']}")
+    return dg.MaterializeResult(metadata={
+        "report_html": dg.MetadataValue.path(str(paths["html"])),
+        "report_markdown": dg.MetadataValue.path(str(paths["markdown"])),
+        "methods": len({s["method"] for s in summaries}), "rows": len(summaries),
+        "preview": dg.MetadataValue.md(paths["markdown"].read_text(encoding="utf-8").split("## Latency")[0]),
+    })
+
+
+defs = dg.Definitions(assets=[qa_benchmark, *eval_assets, evaluation_report])

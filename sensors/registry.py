@@ -1,0 +1,34 @@
+"""Watch the MLflow registry: a `champion` alias pointing at a new version requests re-evaluation.
+
+The cursor holds the champion version of each watched model; only a change of
+those requests runs (one per benchmark dataset partition), keyed by the new
+versions so that a repeated evaluation of the same change does nothing.
+"""
+
+import json
+
+import dagster as dg
+
+from jobs import evaluate_job
+from platform_assets.evaluation import DATASETS
+from resources import MlflowResource
+
+WATCHED_MODELS = ("medgraph-gat", "medgraph-hiim-projector", "medgraph-graph-r1-policy")
+
+
+@dg.sensor(job=evaluate_job, minimum_interval_seconds=120, default_status=dg.DefaultSensorStatus.STOPPED,
+           description="Requests evaluation of all methods when a champion alias moves to a new version.")
+def champion_sensor(context: dg.SensorEvaluationContext, mlflow_tracking: MlflowResource) -> dg.SensorResult:
+    tracking = mlflow_tracking.tracking()
+    champions = {name: tracking.champion_version(name) for name in WATCHED_MODELS}
+    previous = json.loads(context.cursor) if context.cursor else {}
+    changed = {name: version for name, version in champions.items()
+               if version is not None and previous.get(name) != version}
+    if not changed:
+        return dg.SensorResult(skip_reason="no champion alias moved", cursor=json.dumps(champions, sort_keys=True))
+    versions = ",".join(f"{name}=v{champions[name]}" for name in WATCHED_MODELS if champions[name])
+    context.log.info(f"new champions: {changed}")
+    requests = [dg.RunRequest(run_key=f"{versions}:{dataset}", partition_key=dataset,
+                              tags={"medgraph/champions": versions})
+                for dataset in DATASETS.get_partition_keys()]
+    return dg.SensorResult(run_requests=requests, cursor=json.dumps(champions, sort_keys=True))

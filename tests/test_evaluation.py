@@ -1,0 +1,75 @@
+"""Evaluation assets in-process: benchmark partition, a method family on SmolLM2, tables, MLflow, metadata."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import dagster as dg
+import pytest
+from conftest import copy_warehouse
+
+from medgraph.eval.evaluate import binomial_se, summarize
+from medgraph.kg.qa import QaItem, generate_qa_items
+from medgraph.methods.common import finish_result
+from medgraph.storage import Warehouse
+from platform_assets.evaluation import eval_assets, evaluation_report, qa_benchmark
+from resources import EncoderResource, LlmResource, MlflowResource, WarehouseResource
+
+
+def test_summaries_count_parse_failures_as_wrong_with_binomial_error():
+    item = QaItem("ds", "q", "Which?", {"A": "x", "B": "y"}, "B")
+    results = [finish_result("m", item, "<answer>B</answer>", []), finish_result("m", item, "no idea", []),
+               finish_result("m", item, "A", []), finish_result("m", item, "B", [])]
+    (summary,) = summarize(results)
+    assert (summary.questions, summary.accuracy, summary.parse_failure_rate) == (4, 0.5, 0.25)
+    assert summary.accuracy_se == pytest.approx(binomial_se(2, 4)) == pytest.approx(0.25)
+
+
+@pytest.fixture
+def eval_home(retrieval_warehouse: Warehouse, tmp_path: Path) -> Path:
+    warehouse = copy_warehouse(retrieval_warehouse, tmp_path / "home")
+    generate_qa_items(warehouse, tmp_path / "home" / "qa", per_type=20)
+    return tmp_path / "home"
+
+
+def test_a_dataset_partition_is_evaluated_into_tables_metadata_and_mlflow(eval_home: Path, smollm2, encoder,
+                                                                          mlflow_db: Path):
+    llm = LlmResource(spec="smollm2-135m-instruct", home=str(eval_home))
+    llm._llm = smollm2
+    encoder_resource = EncoderResource(max_length=128)
+    encoder_resource._encoder = encoder
+    resources = {"warehouse": WarehouseResource(home=str(eval_home)), "llm": llm, "encoder": encoder_resource,
+                 "mlflow_tracking": MlflowResource(tracking_uri=f"sqlite:///{mlflow_db}",
+                                                   artifact_root=str(eval_home / "artifacts"))}
+    baselines = next(a for a in eval_assets if a.key.path[-1] == "eval_baselines")
+    result = dg.materialize([qa_benchmark, baselines], resources=resources, partition_key="kgqa_mc",
+                            run_config=dg.RunConfig(ops={
+                                "eval__qa_benchmark": {"config": {"limit": 3}},
+                                "eval__eval_baselines": {"config": {
+                                    "methods": ["cot", "rag"], "batch_size": 3,
+                                    "method_config": '{"cot": {"max_new_tokens": 24}, "rag": {"max_new_tokens": 16}}'}}}))
+    assert result.success
+    (materialization,) = result.asset_materializations_for_node("eval__eval_baselines")
+    metadata = materialization.metadata
+    assert metadata["questions"].value == 3 and "| cot | kgqa_mc | 3 |" in metadata["summary"].value
+    assert 0 <= metadata["rag/accuracy"].value <= 1 and metadata["llm"].value == "smollm2-135m-instruct"
+
+    store = WarehouseResource(home=str(eval_home)).open()
+    with store.connect(read_only=True) as con:
+        per_method = dict(con.execute("SELECT method, count(*) FROM eval.eval_baselines_results GROUP BY 1").fetchall())
+        trace_steps = con.execute("SELECT count(*) FROM eval.eval_baselines_traces").fetchone()[0]
+    assert per_method == {"cot": 3, "rag": 3} and trace_steps >= 6
+
+    tracking = resources["mlflow_tracking"].tracking()
+    run = tracking.client.get_run(metadata["mlflow_run_id"].value)
+    assert {"cot/accuracy", "rag/accuracy", "rag/parse_failure_rate"} <= set(run.data.metrics)
+    assert run.data.tags["dataset"] == "kgqa_mc"
+
+    report = dg.materialize([evaluation_report], resources=resources)
+    assert report.success
+    html = (eval_home / "reports" / "report.html").read_text(encoding="utf-8")
+    markdown = (eval_home / "reports" / "report.md").read_text(encoding="utf-8")
+    assert "data:image/png;base64," in html and "<td>rag</td>" in html  # self-contained, plots inlined
+    for section in ("Accuracy per method and dataset", "Latency and token cost", "Lineage"):
+        assert f"## {section}" in markdown
+    assert "medgraph-gat@champion | none registered" in markdown
