@@ -156,7 +156,10 @@ def _cmd_ask(args: argparse.Namespace) -> int:
     except (ValueError, TypeError) as error:
         print(f"medgraph ask: {error}", file=sys.stderr)
         return 2
-    llm = load_llm(args.llm)
+    llm = None
+    if method_of(args.method) == "graph-r1" and args.llm is None:
+        llm = _champion_policy(settings)  # the trained policy by default, when one is registered
+    llm = llm or load_llm(args.llm)
     graph_tokenizer = _champion_graph_tokenizer(llm, warehouse) if method_of(args.method) == "a2rag" else None
     with Retriever(warehouse, load_encoder(settings.encoder)) as retriever:
         (result,) = run_method(args.method, [item], retriever, llm, config, graph_tokenizer=graph_tokenizer)
@@ -173,6 +176,23 @@ def _cmd_ask(args: argparse.Namespace) -> int:
     text = item.options.get(result.prediction)
     print(f"answer: {result.prediction}" + (f". {text}" if text else ""))
     return 0
+
+
+def _champion_policy(settings: object):  # -> ChatModel | None
+    """`models:/medgraph-graph-r1-policy@champion`, or None when there is no registry or no policy in it."""
+    from pathlib import Path
+
+    uri = settings.mlflow_tracking_uri
+    if uri.startswith("sqlite:///") and not Path(uri.removeprefix("sqlite:///")).exists():
+        return None  # no registry yet: do not create one by asking
+    try:
+        from medgraph.rl.policy import load_champion_policy
+    except ImportError:
+        return None
+    policy = load_champion_policy(tracking_uri=uri, home=settings.home)
+    if policy is not None:
+        print(f"policy: {policy.name} (medgraph-graph-r1-policy@champion)", file=sys.stderr)
+    return policy
 
 
 def _cmd_models(args: argparse.Namespace) -> int:
