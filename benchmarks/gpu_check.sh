@@ -20,7 +20,13 @@ section_gat() {
   timeout 470 "$PYTHON" benchmarks/gpu_check_gat.py
 }
 
-SECTIONS=(gat)
+# GRPO steps of the Graph-R1 policy (Qwen2.5-Coder-0.5B-Instruct if installed, else SmolLM2) in the real
+# environment over a synthetic retriever: rollout tokens/s, update step time, peak GPU memory (< 8 min).
+section_grpo() {
+  timeout 470 "$PYTHON" benchmarks/gpu_check_grpo.py
+}
+
+SECTIONS=(gat grpo)
 
 if ! "$PYTHON" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)"; then
   echo "gpu_check: no CUDA device visible to torch ($PYTHON); nothing to check"

@@ -167,7 +167,7 @@ eval_assets = [
                 "Baselines: chain of thought, single-round hybrid RAG (MedRAG style), follow-up RAG (i-MedRAG style)."),
     _eval_asset("eval_a2rag", ("a2rag",), (GAT, PROJECTOR),
                 "A2RAG (AWC + GSRM + HIIM with the champion projector, text-only fallback recorded)."),
-    _eval_asset("eval_graph_r1", ("graph-r1",), (),
+    _eval_asset("eval_graph_r1", ("graph-r1",), (POLICY,),
                 "The Graph-R1 agent driven by the champion policy (the base LLM when none is registered)."),
     _eval_asset("eval_sema_rag", ("sema-rag",), (),
                 "SEMA-RAG (I-Agent schema, E-Agent sufficiency loop, A-Agent evidence report)."),

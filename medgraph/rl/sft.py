@@ -1,0 +1,281 @@
+"""Cold-start SFT for Graph-R1: expert demonstrations from the gold paths of `qa.qa_items`.
+
+A small model has never seen our tag format; GRPO from it would sample no
+well-formed episode and learn nothing. So the policy first imitates an expert
+that knows each question's gold path and walks it with the real environment:
+
+    <think>Find X.</think><search>X</search>                    the question entity
+    <think>X is C0001; list its relations.</think><traverse>C0001</traverse>   each hop
+    <think>... leads to Y.</think><analyze>C0002</analyze>      the answer concept
+    <think>Y is option B.</think><answer>B</answer>
+
+Every observation in a demonstration is what the environment really returned,
+and the expert only uses a concept after an observation has shown it: a
+demonstration whose search misses the entity, or whose hop or answer is not
+among the shown edges (a hub's edge list is cut), is dropped, not faked. The
+finished episode must be well formed and correct. SFT then minimizes the
+negative log-likelihood of the expert's replies only (observations masked,
+the same masks as GRPO), token-averaged over each batch.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+import time
+from collections import Counter
+from collections.abc import Callable, Generator, Sequence
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from medgraph.kg.graph import Triple
+from medgraph.kg.qa import QaItem
+from medgraph.llm.hf import TransformersChatModel
+from medgraph.methods.graph_r1 import EnvStep, GraphR1Config, GraphR1Env, GraphR1State
+from medgraph.rl.grpo import SMALL_ENV, TINY_ENV
+from medgraph.rl.model import (
+    LoraSettings,
+    autocast,
+    load_trainable,
+    make_batch,
+    token_logprobs,
+    trainable_parameters,
+)
+from medgraph.rl.rewards import episode_reward
+from medgraph.rl.rollout import encode_conversation
+from medgraph.storage import Warehouse
+
+log = logging.getLogger(__name__)
+
+
+# --------------------------------------------------------------------------- questions
+
+
+def load_qa_items(warehouse: Warehouse, split: str, limit: int | None = None, seed: int = 0) -> list[QaItem]:
+    """`qa.qa_items` of one split as QaItems carrying gold path, seed, answer and option CUIs in
+    `extra`; `limit` takes a seeded sample (in qid order)."""
+    with warehouse.connect(read_only=True) as con:
+        rows = con.execute(
+            "SELECT dataset, qid, question, options, answer, acceptable_answers, gold_path, seed_cuis, answer_cuis, "
+            "option_cuis, question_type, relations FROM qa.qa_items WHERE split = ? ORDER BY qid", [split]).fetchall()
+    if limit is not None and limit < len(rows):
+        rows = sorted(random.Random(seed).sample(rows, limit), key=lambda row: row[1])
+    return [QaItem(dataset=dataset, qid=qid, question=question, options=json.loads(options or "{}"), answer=answer,
+                   acceptable_answers=tuple(acceptable or ()),
+                   extra={"gold_path": list(gold), "seed_cuis": list(seeds), "answer_cuis": list(answers),
+                          "option_cuis": list(option_cuis or ()), "question_type": question_type,
+                          "relations": list(relations or ())})
+            for dataset, qid, question, options, answer, acceptable, gold, seeds, answers, option_cuis,
+            question_type, relations in rows]
+
+
+# --------------------------------------------------------------------------- the expert
+
+
+@dataclass
+class Demonstrations:
+    states: list[GraphR1State]
+    dropped: Counter[str] = field(default_factory=Counter)  # reason -> count
+
+    def as_metadata(self) -> dict[str, int]:
+        return {"demonstrations": len(self.states), **{f"dropped_{k}": v for k, v in sorted(self.dropped.items())}}
+
+
+Expert = Generator[str, EnvStep, str | None]  # yields replies, receives what each did; returns why it gave up
+
+
+def _expert(state: GraphR1State, names: dict[str, str], triples: dict[str, Triple]) -> Expert:
+    """One question's expert walk along its gold path; every concept it uses was shown first."""
+    item, extra = state.item, state.item.extra
+    seeds = list(extra.get("seed_cuis") or ())
+    if not seeds or seeds[0] not in names:
+        return "no question entity"
+    entity = seeds[0]
+    step = yield f"<think>Find {names[entity]}.</think><search>{names[entity]}</search>"
+    if entity not in step.retrieved_ids:
+        return "search missed the entity"
+    path = [triples.get(edge) for edge in extra.get("gold_path") or ()]
+    if any(t is None for t in path):
+        return "gold edge not in the graph"
+    traversed: list[str] = []
+    for triple in path or [None]:  # a "no" has no path: look at the entity's own edges
+        if triple is None:
+            target = entity
+        else:
+            target = next((c for c in (triple.src_cui, triple.dst_cui) if c in traversed), None)
+            if target is not None:
+                continue  # this edge was on the last list already
+            target = next((c for c in (triple.src_cui, triple.dst_cui) if c in state.nodes), None)
+        if target is None:
+            return "path not shown"
+        traversed.append(target)
+        yield f"<think>{names[target]} is {target}; list its relations.</think><traverse>{target}</traverse>"
+    if not path:  # a "no": the other concept is not among the edges; find it and read it
+        other = seeds[-1]
+        if other == entity or other not in names:
+            return "no second entity"
+        step = yield f"<think>No edge to {names[other]}; find it.</think><search>{names[other]}</search>"
+        if other not in step.retrieved_ids:
+            return "search missed the entity"
+        yield f"<think>{names[other]} is {other}; read it.</think><analyze>{other}</analyze>"
+        yield f"<think>{names[entity]} and {names[other]} are not linked.</think><answer>{item.answer}</answer>"
+        return None
+    answer = next((c for c in extra.get("answer_cuis") or () if c in state.nodes), None)
+    if answer is None:
+        return "answer not shown"
+    relation = path[-1].relation.replace("_", " ")
+    yield f"<think>{relation} leads to {names[answer]}; read it.</think><analyze>{answer}</analyze>"
+    if item.options.get(item.answer, "").lower() == "yes":
+        yield f"<think>{names[entity]} and {names[answer]} are linked.</think><answer>{item.answer}</answer>"
+    elif item.options:
+        yield f"<think>{names[answer]} is option {item.answer}.</think><answer>{item.answer}</answer>"
+    else:
+        yield f"<think>The answer is {names[answer]}.</think><answer>{names[answer]}</answer>"
+    return None
+
+
+def expert_demonstrations(env: GraphR1Env, items: Sequence[QaItem]) -> Demonstrations:
+    """Expert episodes for `items`, stepped together through the real environment (one batched
+    retriever call per action type and turn); only well-formed, correct episodes are kept."""
+    cuis = {c for item in items for key in ("seed_cuis", "answer_cuis") for c in item.extra.get(key) or ()}
+    triples = {t.edge_id: t for t in env.retriever.graph.triples(
+        {e for item in items for e in item.extra.get("gold_path") or ()})}
+    cuis |= {c for t in triples.values() for c in (t.src_cui, t.dst_cui)}
+    names = {cui: node.name for cui, node in env.retriever.nodes(sorted(cuis)).items()}
+    states = [env.reset(item) for item in items]
+    experts = [_expert(state, names, triples) for state in states]
+    dropped: Counter[str] = Counter()
+    moves: dict[int, str] = {}
+    for i, expert in enumerate(experts):
+        _next_move(i, expert, None, moves, dropped)
+    while moves:
+        steps = env.step_batch([(states[i], reply) for i, reply in moves.items()])
+        pending, moves = moves, {}
+        for i, step in zip(pending, steps, strict=True):
+            if states[i].done:
+                experts[i].close()
+            else:
+                _next_move(i, experts[i], step, moves, dropped)
+    kept = []
+    for state in states:
+        if state.done and not state.truncated and episode_reward(state).correct and all(state.well_formed):
+            kept.append(state)
+        elif state.done:
+            dropped["wrong or ill-formed episode"] += 1
+    return Demonstrations(kept, dropped)
+
+
+def _next_move(i: int, expert: Expert, step: EnvStep | None, moves: dict[int, str], dropped: Counter[str]) -> None:
+    try:
+        moves[i] = next(expert) if step is None else expert.send(step)
+    except StopIteration as stop:
+        dropped[stop.value or "expert stopped before answering"] += 1
+
+
+# --------------------------------------------------------------------------- training
+
+
+@dataclass(frozen=True)
+class SftConfig:
+    steps: int = 200
+    batch_size: int = 8
+    micro_batch_size: int = 4
+    lr: float = 2e-5
+    weight_decay: float = 0.0
+    max_grad_norm: float = 1.0
+    lora_r: int = 0  # 0: full fine-tuning
+    lora_alpha: int = 32
+    lora_layers: int | None = None  # adapt only the top N blocks (None: all)
+    train_items: int = 2000  # questions the expert tries (it drops some)
+    valid_items: int = 64
+    graph_r1: GraphR1Config = field(default_factory=GraphR1Config)
+    seed: int = 0
+    device: str = "auto"
+    bf16: bool = True  # autocast on CUDA and on CPUs with native bf16
+    progress: bool = False
+
+    @classmethod
+    def profile(cls, name: str, **overrides: object) -> SftConfig:
+        if name not in SFT_PROFILES:
+            raise ValueError(f"unknown SFT profile {name!r}: one of {', '.join(SFT_PROFILES)}")
+        return replace(SFT_PROFILES[name], **overrides)
+
+    def as_dict(self) -> dict[str, object]:
+        flat = {k: v for k, v in asdict(self).items() if k != "graph_r1"}
+        flat.update({f"env_{k}": v for k, v in asdict(self.graph_r1).items()})
+        return flat
+
+
+SFT_PROFILES = {
+    "tiny": SftConfig(steps=2, batch_size=2, micro_batch_size=1, lr=2e-4, lora_r=8, lora_alpha=16, lora_layers=4,
+                      train_items=12, valid_items=1, graph_r1=TINY_ENV),
+    "demo": SftConfig(steps=24, batch_size=4, micro_batch_size=1, lr=2e-3, lora_r=16, lora_alpha=32, lora_layers=10,
+                      train_items=120, valid_items=16, graph_r1=SMALL_ENV, progress=True),
+    "full": SftConfig(steps=600, batch_size=16, micro_batch_size=8, lr=1e-5, train_items=5000, valid_items=200,
+                      progress=True),
+}
+
+
+@dataclass
+class SftResult:
+    policy: TransformersChatModel
+    metrics: dict[str, float]
+    history: list[dict[str, float]] = field(default_factory=list)
+
+
+def fits_generation_limit(tokenizer: object, state: GraphR1State, max_new_tokens: int) -> bool:
+    """Every expert reply fits in one turn's token budget (else rollouts would cut what SFT taught)."""
+    return all(len(tokenizer(m.content, add_special_tokens=False)["input_ids"]) < max_new_tokens
+               for m in state.messages if m.role == "assistant")
+
+
+def train_sft(model_dir: str | Path, demonstrations: Sequence[GraphR1State], config: SftConfig,
+              log_fn: Callable[[int, dict[str, float]], None] | None = None, name: str | None = None) -> SftResult:
+    """Masked maximum likelihood of the expert's replies; returns the policy (LoRA not yet merged)."""
+    lora = LoraSettings(config.lora_r, config.lora_alpha, config.lora_layers) if config.lora_r else None
+    policy = load_trainable(model_dir, lora=lora, device=config.device, max_batch_size=256, name=name)
+    usable = [s for s in demonstrations if fits_generation_limit(policy.tokenizer, s, config.graph_r1.max_new_tokens)]
+    if not usable:
+        raise ValueError(f"no usable demonstrations (of {len(demonstrations)}): they are missing or longer than "
+                         f"max_new_tokens={config.graph_r1.max_new_tokens}")
+    encoded = [encode_conversation(policy.tokenizer, s.messages, policy.eos_ids) for s in usable]
+    torch.manual_seed(config.seed)
+    rng = random.Random(config.seed)
+    optimizer = torch.optim.AdamW(trainable_parameters(policy.model), lr=config.lr, weight_decay=config.weight_decay)
+    order: list[int] = []
+    history: list[dict[str, float]] = []
+    started = time.perf_counter()
+    policy.model.train()
+    for step in tqdm(range(1, config.steps + 1), desc="graph-r1 sft", disable=not config.progress):
+        batch_ids = []
+        while len(batch_ids) < min(config.batch_size, len(encoded)):
+            if not order:  # epochs over a fresh shuffle
+                order = rng.sample(range(len(encoded)), len(encoded))
+            batch_ids.append(order.pop())
+        tokens = sum(encoded[i].policy_tokens for i in batch_ids)
+        optimizer.zero_grad(set_to_none=True)
+        total = 0.0
+        for start in range(0, len(batch_ids), config.micro_batch_size):
+            batch = make_batch([encoded[i] for i in batch_ids[start:start + config.micro_batch_size]],
+                               policy.pad_id, policy.device)
+            with autocast(policy.device, config.bf16):
+                logp = token_logprobs(policy.model, batch)
+            loss = -(logp * batch.mask).sum() / tokens
+            loss.backward()
+            total += float(loss.detach())
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(trainable_parameters(policy.model), config.max_grad_norm))
+        optimizer.step()
+        record = {"train_nll": total, "grad_norm": grad_norm, "policy_tokens": float(tokens)}
+        history.append({"step": step, **record})
+        if log_fn:
+            log_fn(step, record)
+    policy.model.eval()
+    seconds = time.perf_counter() - started
+    metrics = {"train_nll_first": history[0]["train_nll"], "train_nll_last": history[-1]["train_nll"],
+               "demonstrations_used": float(len(usable)), "train_seconds": seconds,
+               "seconds_per_step": seconds / config.steps}
+    return SftResult(policy, metrics, history)

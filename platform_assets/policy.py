@@ -1,0 +1,239 @@
+"""The Graph-R1 policy: cold-start SFT on gold-path demonstrations, then GRPO in the KG environment.
+
+`graph_r1_sft` logs its policy in its MLflow run (not in the registry: it is
+a starting point, not a candidate); its data version is that model's URI,
+which `graph_r1_policy` reads back from the SFT materialization. The policy
+asset registers each trained version as `medgraph-graph-r1-policy` and moves
+`champion` only when it beats the champion's validation accuracy (same
+profile and seed: the same validation questions). Its data version is the
+champion's version, so a run that loses the gate triggers nothing downstream.
+"""
+
+import hashlib
+import json
+import shutil
+from pathlib import Path
+
+import dagster as dg
+import mlflow
+
+from medgraph.llm.hf import TransformersChatModel
+from medgraph.methods.graph_r1 import GraphR1Env
+from medgraph.retrieval import Retriever
+from medgraph.rl.grpo import GrpoConfig, GrpoResult, train_grpo
+from medgraph.rl.model import autocast, save_policy
+from medgraph.rl.policy import POLICY_GATE_METRIC, POLICY_MODEL_NAME, download_checkpoint, log_policy
+from medgraph.rl.rollout import evaluate
+from medgraph.rl.sft import SftConfig, expert_demonstrations, load_qa_items, train_sft
+from medgraph.settings import load_settings
+from resources import EncoderResource, LlmResource, MlflowResource, WarehouseResource
+
+SFT_KEY = dg.AssetKey(["models", "graph_r1_sft"])
+# What the environment reads: the graph, node texts, and the BM25 index and node vectors of concept search.
+ENV_INPUTS = [dg.AssetKey(["qa", "qa_items"]), dg.AssetKey(["kg", "kg_edges"]), dg.AssetKey(["kg", "kg_node_text"]),
+              dg.AssetKey(["text", "corpus_chunks"]), dg.AssetKey(["embeddings", "node_embeddings"])]
+POLICY_INPUTS = [SFT_KEY, *ENV_INPUTS]
+
+
+def _overrides(**values: object) -> dict[str, object]:
+    return {name: value for name, value in values.items() if value is not None}
+
+
+class GraphR1SftConfig(dg.Config):
+    profile: str | None = None
+    """tiny | demo | full (default: MEDGRAPH_PROFILE): steps, batch, LoRA, environment sizes (SftConfig.profile)."""
+    steps: int | None = None
+    train_items: int | None = None
+    """Training questions the expert tries to demonstrate (some are dropped)."""
+    valid_items: int | None = None
+    lr: float | None = None
+    seed: int = 0
+    device: str = "auto"
+    evaluate_base: bool = True
+    """Score the base model on the validation questions too (the 'before' of the report)."""
+
+    def sft_config(self) -> SftConfig:
+        return SftConfig.profile(self.profile or load_settings().profile, seed=self.seed, device=self.device,
+                                 **_overrides(steps=self.steps, train_items=self.train_items,
+                                              valid_items=self.valid_items, lr=self.lr))
+
+
+def _prefixed(metrics: dict[str, float], prefix: str) -> dict[str, float]:
+    return {f"{prefix}{k}": float(v) for k, v in metrics.items()}
+
+
+def _base_model(llm: LlmResource) -> TransformersChatModel:
+    chat = llm.load()
+    if not isinstance(chat, TransformersChatModel):
+        raise dg.Failure(f"Graph-R1 training needs an in-process transformers model (MEDGRAPH_LLM = a built-in name "
+                         f"or a local checkpoint); {llm.spec!r} is served by {type(chat).__name__}")
+    return chat
+
+
+@dg.asset(
+    key=["models", "graph_r1_sft"],
+    deps=ENV_INPUTS,
+    group_name="models",
+    kinds={"pytorch", "mlflow"},
+    pool="gpu",
+    code_version="1",
+    tags={"medgraph/accelerator": "gpu"},
+    automation_condition=dg.AutomationCondition.eager(),
+)
+def graph_r1_sft(context: dg.AssetExecutionContext, config: GraphR1SftConfig, warehouse: WarehouseResource,
+                 encoder: EncoderResource, llm: LlmResource, mlflow_tracking: MlflowResource) -> dg.MaterializeResult:
+    """Cold start: the base LLM fine-tuned on expert episodes that walk each training question's gold
+    path through the real environment (observations masked out of the loss); validation reward and
+    accuracy of the base model and of the SFT policy; the policy logged in MLflow."""
+    sft_config = config.sft_config()
+    store, base = warehouse.open(), _base_model(llm)
+    out = Path(warehouse.home) / "checkpoints" / "graph_r1_sft" / context.run.run_id
+    with Retriever(store, encoder.load()) as retriever, mlflow_tracking.start_asset_run(context, ENV_INPUTS) as run:
+        env = GraphR1Env(retriever, sft_config.graph_r1)
+        valid = load_qa_items(store, "validation", sft_config.valid_items, sft_config.seed)
+        demos = expert_demonstrations(env, load_qa_items(store, "train", sft_config.train_items, sft_config.seed))
+        context.log.info(f"SFT: {demos.as_metadata()}; {len(valid)} validation questions")
+        mlflow.log_params({**{k: str(v) for k, v in sft_config.as_dict().items()}, "base_model": base.name})
+        mlflow.log_metrics(demos.as_metadata())
+        with autocast(base.device, sft_config.bf16, generation=True):
+            before = evaluate(base, env, valid) if config.evaluate_base and valid else {}
+        result = train_sft(base.model_dir, demos.states, sft_config, name=f"graph-r1-sft-{base.name}",
+                           log_fn=lambda step, metrics: mlflow.log_metrics(metrics, step=step))
+        with autocast(result.policy.device, sft_config.bf16, generation=True):
+            after = evaluate(result.policy, env, valid) if valid else {}
+        metrics = {**_prefixed(before, "valid_base_"), **_prefixed(after, "valid_"), **result.metrics}
+        mlflow.log_metrics(metrics)
+        save_policy(result.policy, out)
+        model_uri = log_policy(out, result.policy.name, metadata={"base_model": base.name,
+                                                                  "graph_r1_config": sft_config.as_dict()})
+        run_id = run.info.run_id
+    shutil.rmtree(out, ignore_errors=True)  # the checkpoint is in MLflow now
+    context.log.info(f"SFT validation reward {after.get('reward', float('nan')):.3f} "
+                     f"(base {before.get('reward', float('nan')):.3f}) on {len(valid)} questions")
+    return dg.MaterializeResult(
+        metadata={"mlflow_run_id": run_id, "model_uri": model_uri, "base_model": base.name,
+                  "validation_questions": len(valid), "seed": sft_config.seed, **demos.as_metadata(), **metrics},
+        data_version=dg.DataVersion(model_uri),
+    )
+
+
+class GraphR1PolicyConfig(dg.Config):
+    profile: str | None = None
+    """tiny | demo | full (default: MEDGRAPH_PROFILE): steps, G, LoRA, environment sizes (GrpoConfig.profile)."""
+    steps: int | None = None
+    questions_per_step: int | None = None
+    group_size: int | None = None
+    lr: float | None = None
+    beta: float | None = None
+    valid_items: int | None = None
+    eval_every: int | None = None
+    reward_variant: str | None = None
+    """paper (r_acc + 0.1 r_fmt) or authors (-1 + r_fmt + r_acc if well formed)."""
+    rollout_server: str | None = None
+    """openai:<model>@<url> of a vLLM server with runtime LoRA loading (medgraph/rl/scale.py)."""
+    seed: int = 0
+    device: str = "auto"
+    resume: bool = True
+    """Continue from the checkpoint an interrupted run with the same inputs and settings left behind."""
+
+    def grpo_config(self) -> GrpoConfig:
+        return GrpoConfig.profile(self.profile or load_settings().profile, seed=self.seed, device=self.device,
+                                  **_overrides(steps=self.steps, questions_per_step=self.questions_per_step,
+                                               group_size=self.group_size, lr=self.lr, beta=self.beta,
+                                               valid_items=self.valid_items, eval_every=self.eval_every,
+                                               reward_variant=self.reward_variant,
+                                               rollout_server=self.rollout_server))
+
+
+def _sft_model_uri(context: dg.AssetExecutionContext) -> str:
+    event = context.instance.get_latest_materialization_event(SFT_KEY)
+    uri = event.asset_materialization.metadata.get("model_uri") if event and event.asset_materialization else None
+    if uri is None:
+        raise dg.Failure("no cold-start policy: materialize models/graph_r1_sft first")
+    return str(uri.value)
+
+
+def _work_dir(home: Path, config: GrpoConfig, sft_uri: str, data_versions: dict[str, str]) -> Path:
+    """One folder per (settings, start, inputs): a retry resumes its own interrupted run, never another's."""
+    settings = {k: v for k, v in config.as_dict().items() if k not in ("progress", "device")}
+    key = json.dumps({"config": settings, "sft": sft_uri, "inputs": data_versions}, sort_keys=True, default=str)
+    return home / "checkpoints" / "graph_r1_policy" / hashlib.sha256(key.encode()).hexdigest()[:16]
+
+
+def _curves_figure(result: GrpoResult):  # -> matplotlib Figure
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = [h for h in result.history if h["step"] > 0]
+    validated = [h for h in result.history if "valid_accuracy" in h]
+    fig, axes = plt.subplots(1, 3, figsize=(11, 3.2))
+    axes[0].plot([h["step"] for h in steps], [h["reward"] for h in steps], "o-", label="train reward")
+    axes[0].plot([h["step"] for h in steps], [h["format_rate"] for h in steps], "s-", label="format rate")
+    axes[1].plot([h["step"] for h in steps], [h["kl"] for h in steps], "o-", color="tab:red")
+    axes[2].plot([h["step"] for h in validated], [h["valid_accuracy"] for h in validated], "o-", label="accuracy")
+    axes[2].plot([h["step"] for h in validated], [h["valid_reward"] for h in validated], "s-", label="reward")
+    for axis, title in zip(axes, ("rollouts", "KL to reference (k3)", "validation"), strict=True):
+        axis.set_title(title)
+        axis.set_xlabel("step")
+    axes[0].legend()
+    axes[2].legend()
+    fig.tight_layout()
+    return fig
+
+
+@dg.asset(
+    key=["models", "graph_r1_policy"],
+    deps=POLICY_INPUTS,
+    group_name="models",
+    kinds={"pytorch", "mlflow"},
+    pool="gpu",
+    code_version="1",
+    tags={"medgraph/accelerator": "gpu"},
+    automation_condition=dg.AutomationCondition.eager(),
+)
+def graph_r1_policy(context: dg.AssetExecutionContext, config: GraphR1PolicyConfig, warehouse: WarehouseResource,
+                    encoder: EncoderResource, mlflow_tracking: MlflowResource) -> dg.MaterializeResult:
+    """GRPO from the cold-start policy on the train split (G episodes per question, observation tokens
+    masked, KL to the SFT policy), validated every N steps; registered as `medgraph-graph-r1-policy`,
+    `champion` moving only on a better validation accuracy."""
+    grpo_config = config.grpo_config()
+    sft_uri = _sft_model_uri(context)
+    store, tracking = warehouse.open(), mlflow_tracking.tracking()
+    with Retriever(store, encoder.load()) as retriever, mlflow_tracking.start_asset_run(context, POLICY_INPUTS) as run:
+        data_versions = {k.removeprefix("data_version/"): v for k, v in run.data.tags.items()
+                         if k.startswith("data_version/")}
+        work = _work_dir(Path(warehouse.home), grpo_config, sft_uri, data_versions)
+        start = download_checkpoint(sft_uri, work / "start")
+        env = GraphR1Env(retriever, grpo_config.graph_r1)
+        valid = load_qa_items(store, "validation", grpo_config.valid_items, grpo_config.seed)
+        if not valid:
+            raise dg.Failure("no validation questions: the champion gate needs them (qa/qa_items split 'validation')")
+        mlflow.log_params({**{k: str(v) for k, v in grpo_config.as_dict().items()}, "sft_model_uri": sft_uri})
+        mlflow.set_tag("checkpoint_dir", str(work))
+        result = train_grpo(start, env, load_qa_items(store, "train"), valid, grpo_config,
+                            checkpoint_dir=work / "checkpoints", resume=config.resume, name="graph-r1-policy",
+                            log_fn=lambda step, metrics: mlflow.log_metrics(metrics, step=step))
+        mlflow.log_metrics({k: v for k, v in result.metrics.items() if not k.startswith("valid_")},
+                           step=grpo_config.steps)
+        mlflow.log_dict({"history": result.history}, "training.json")
+        mlflow.log_figure(_curves_figure(result), "training_curves.png")
+        model_uri = log_policy(save_policy(result.policy, work / "final"), result.policy.name, metadata={
+            "sft_model_uri": sft_uri, "graph_r1_config": grpo_config.as_dict()})
+        version = tracking.register(model_uri, POLICY_MODEL_NAME, tags={"dagster/run_id": context.run.run_id})
+        promotion = tracking.promote_if_better(POLICY_MODEL_NAME, version, POLICY_GATE_METRIC)
+        run_id = run.info.run_id
+    shutil.rmtree(work, ignore_errors=True)  # the model is in MLflow; checkpoints only serve a retry
+    context.log.info(promotion.reason)
+    champion = tracking.champion_version(POLICY_MODEL_NAME)
+    return dg.MaterializeResult(
+        metadata={"mlflow_run_id": run_id, "model_uri": f"models:/{POLICY_MODEL_NAME}/{version}",
+                  "model_version": version, "champion_uri": tracking.model_uri(POLICY_MODEL_NAME),
+                  "sft_model_uri": sft_uri, "validation_questions": len(valid), "seed": grpo_config.seed,
+                  **promotion.as_metadata(), **result.metrics},
+        data_version=dg.DataVersion(f"{POLICY_MODEL_NAME}@champion=v{champion}"),
+    )
+
+
+defs = dg.Definitions(assets=[graph_r1_sft, graph_r1_policy])

@@ -1,0 +1,386 @@
+"""Graph-R1 policy training: masks, rewards, the GRPO objective, SFT demonstrations, checkpoints,
+a learning test on a tiny model, and the two assets with the real SmolLM2.
+
+The learning test uses a 2-layer Llama (hidden size 64) with SmolLM2's tokenizer on a fixed
+problem: yes/no questions whose answer is always "A", after a cold start on demonstrations that
+answer A and B equally often. Only the reward can teach the preference, so a rising mean reward
+is GRPO working (rollouts, masks, advantages, the update), not SFT.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Iterator
+from dataclasses import replace
+from http.server import BaseHTTPRequestHandler, HTTPServer
+from pathlib import Path
+
+import dagster as dg
+import pytest
+import torch
+from conftest import copy_warehouse
+
+from medgraph.kg.qa import QaItem, generate_qa_items
+from medgraph.llm.base import GenerationConfig, assistant, system, user
+from medgraph.llm.hf import TransformersChatModel
+from medgraph.methods.graph_r1 import GraphR1Config, GraphR1Env, GraphR1State
+from medgraph.retrieval import Retriever
+from medgraph.rl.grpo import (
+    GrpoConfig,
+    clipped_objective,
+    group_advantages,
+    grpo_token_loss,
+    k3_kl,
+    loss_weights,
+    train_grpo,
+)
+from medgraph.rl.model import latest_checkpoint, save_policy
+from medgraph.rl.policy import POLICY_MODEL_NAME, load_champion_policy
+from medgraph.rl.rewards import episode_reward
+from medgraph.rl.rollout import encode_conversation, generation_config, rollout
+from medgraph.rl.scale import VllmRollouts
+from medgraph.rl.sft import SftConfig, expert_demonstrations, load_qa_items, train_sft
+from medgraph.storage import Warehouse
+from platform_assets.policy import graph_r1_policy, graph_r1_sft
+from resources import EncoderResource, LlmResource, MlflowResource, WarehouseResource
+
+HYPERTENSION = "C0020538"
+TREAT = QaItem("test", "treat", "Which of the following may treat Hypertension?",
+               {"A": "amlodipine", "B": "salbutamol", "C": "insulin", "D": "aspirin"}, "A")
+MECHANISM = QaItem("test", "mechanism", "What is the mechanism of action of amlodipine?", {},
+                   "Calcium Channel Antagonists", acceptable_answers=("Calcium Channel Antagonists",))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread() -> Iterator[None]:
+    # Two torch threads spin-wait on each other on a busy 2-core machine (several times slower).
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+@pytest.fixture(scope="module")
+def qa_warehouse(retrieval_warehouse: Warehouse, tmp_path_factory: pytest.TempPathFactory) -> Warehouse:
+    warehouse = copy_warehouse(retrieval_warehouse, tmp_path_factory.mktemp("rl") / "home")
+    generate_qa_items(warehouse, warehouse.path.parent / "qa", per_type=30)
+    return warehouse
+
+
+@pytest.fixture(scope="module")
+def retriever(qa_warehouse: Warehouse, encoder) -> Iterator[Retriever]:
+    with Retriever(qa_warehouse, encoder) as retriever:
+        yield retriever
+
+
+def finished(env: GraphR1Env, item: QaItem, replies: list[str]) -> GraphR1State:
+    state = env.reset(item)
+    for reply in replies:
+        env.step(state, reply)
+    return state
+
+
+# --------------------------------------------------------------------------- token masks
+
+
+def test_masks_hold_exactly_the_policy_replies_and_match_the_rollout_prompts(retriever: Retriever, smollm2):
+    env = GraphR1Env(retriever, GraphR1Config(max_steps=4, traverse_limit=5))
+    replies = ["<think>find it</think><search>hypertension</search>",
+               f"<think>its edges</think><traverse>{HYPERTENSION}</traverse>",
+               "<think>amlodipine</think><answer>A</answer>"]
+    state = finished(env, TREAT, replies)
+    encoded = encode_conversation(smollm2.tokenizer, state.messages, smollm2.eos_ids)
+    assert len(encoded.ids) == len(encoded.mask)
+
+    # The policy's tokens are its replies, each closed by the end-of-turn token, and nothing else.
+    policy_ids = [t for t, m in zip(encoded.ids, encoded.mask, strict=True) if m]
+    end = smollm2.tokenizer.decode([smollm2.eos_ids[0]])
+    assert smollm2.tokenizer.decode(policy_ids) == "".join(r + end for r in replies)
+    spans, start = [], None
+    for i, m in enumerate([*encoded.mask, 0]):
+        if m and start is None:
+            start = i
+        elif not m and start is not None:
+            spans.append(smollm2.tokenizer.decode(encoded.ids[start:i]))
+            start = None
+    assert spans == [r + end for r in replies]
+    masked = smollm2.tokenizer.decode([t for t, m in zip(encoded.ids, encoded.mask, strict=True) if not m])
+    assert "<observation>" in masked and "Hypertension" in masked and "amlodipine" in masked
+
+    # Exact alignment: the context before each reply is token for token what generation was given.
+    turn = 0
+    for k, message in enumerate(state.messages):
+        if message.role == "assistant":
+            prompt = smollm2._encode(smollm2.render(state.messages[:k]))
+            assert encoded.ids[:len(prompt)] == prompt
+            assert encoded.mask[len(prompt) - 1] == 0 and encoded.mask[len(prompt)] == 1  # the reply starts here
+            turn += 1
+    assert turn == 3
+
+
+def test_a_template_that_rewrites_history_is_refused():
+    class DropsThoughts:
+        """A template that shows earlier replies without their thoughts (as some reasoning models do)."""
+
+        def apply_chat_template(self, messages, tokenize, add_generation_prompt):
+            last = max((i for i, m in enumerate(messages) if m["role"] == "assistant"), default=-1)
+            shown = [m["content"] if m["role"] != "assistant" or i == last and not add_generation_prompt
+                     else m["content"].split("</think>")[-1] for i, m in enumerate(messages)]
+            return "|".join(shown) + ("|" if add_generation_prompt else "")
+
+        def __call__(self, text, add_special_tokens):
+            return {"input_ids": [ord(c) for c in text]}
+
+    messages = [system("s"), user("q"), assistant("<think>a</think><search>x</search>"), user("o"),
+                assistant("<think>b</think><answer>A</answer>")]
+    with pytest.raises(ValueError, match="prefix"):
+        encode_conversation(DropsThoughts(), messages, [0])
+
+
+# --------------------------------------------------------------------------- rewards
+
+
+def state_of(item: QaItem, answer: str | None, well_formed: list[bool]) -> GraphR1State:
+    return GraphR1State(item=item, messages=[], turns=len(well_formed), well_formed=well_formed, answer=answer,
+                        done=True, truncated=answer is None)
+
+
+@pytest.mark.parametrize("item, answer, well_formed, paper, authors", [
+    (TREAT, "A", [True, True], 1.1, 1.0),  # right and well formed
+    (TREAT, "(A)", [True], 1.1, 1.0),  # the letter is read tolerantly
+    (TREAT, "B", [True, True], 0.1, 0.0),  # wrong: only the format counts
+    (TREAT, "A", [True, False], 1.0, -1.0),  # right but one ill-formed reply: the authors give nothing
+    (TREAT, None, [True, True, True], 0.0, -1.0),  # ran out of turns
+    (MECHANISM, "calcium channel antagonists", [True], 1.1, 1.0),  # normalized exact match
+    (MECHANISM, "calcium channel blockers", [True], 2 / 3 + 0.1, 2 / 3),  # F1: 2 of 3 words in common
+])
+def test_reward_is_accuracy_plus_format_and_the_authors_variant(item, answer, well_formed, paper, authors):
+    state = state_of(item, answer, well_formed)
+    assert episode_reward(state, "paper").total == pytest.approx(paper)
+    assert episode_reward(state, "authors").total == pytest.approx(authors)
+    assert episode_reward(state).format == float(all(well_formed) and answer is not None)
+    with pytest.raises(ValueError, match="variant"):
+        episode_reward(state, "other")
+
+
+# --------------------------------------------------------------------------- the GRPO objective
+
+
+def test_advantages_are_normalized_within_each_group():
+    rewards = torch.tensor([[1.1, 0.1, 0.1, 0.1], [0.5, 0.5, 0.5, 0.5], [0.0, 1.0, 0.2, 0.7]])
+    advantages = group_advantages(rewards)
+    torch.testing.assert_close(advantages.mean(dim=1), torch.zeros(3), atol=1e-6, rtol=0)
+    torch.testing.assert_close(advantages[[0, 2]].std(dim=1, unbiased=False), torch.ones(2), atol=1e-4, rtol=0)
+    assert advantages[1].eq(0).all()  # a flat group carries no signal
+    assert advantages[0, 0] > 0 > advantages[0, 1]
+
+
+def test_ratio_clipping_stops_the_gradient_beyond_one_plus_or_minus_epsilon():
+    old = torch.zeros(4)
+    logp = torch.log(torch.tensor([1.5, 1.1, 0.5, 0.9])).requires_grad_()
+    advantages = torch.tensor([1.0, 1.0, -1.0, -1.0])
+    objective, clipped = clipped_objective(logp, old, advantages, epsilon=0.2)
+    assert clipped.tolist() == [True, False, True, False]
+    torch.testing.assert_close(objective.detach(), torch.tensor([1.2, 1.1, -0.8, -0.9]))
+    objective.sum().backward()
+    assert logp.grad[0] == 0 and logp.grad[2] == 0  # clipped: no push further out
+    assert logp.grad[1] > 0 and logp.grad[3] < 0
+
+
+def test_k3_kl_is_nonnegative_and_zero_when_the_policy_is_the_reference():
+    generator = torch.Generator().manual_seed(0)
+    logp, ref = -torch.rand(1000, generator=generator) * 5, -torch.rand(1000, generator=generator) * 5
+    assert (k3_kl(logp, ref) >= 0).all() and k3_kl(logp, logp).eq(0).all()
+    # With ratio 1 and no KL, the loss is -A per token; the KL term adds beta * k3.
+    advantages = torch.tensor([[2.0]])
+    loss, _, _ = grpo_token_loss(logp[None, :3], logp[None, :3], ref[None, :3], advantages, 0.2, 0.1)
+    torch.testing.assert_close(loss, -2.0 + 0.1 * k3_kl(logp[None, :3], ref[None, :3]))
+
+
+def test_loss_weights_average_per_episode_or_per_token():
+    assert sum(w * n for w, n in zip(loss_weights([2, 6], token_level=True), [2, 6], strict=True)) == pytest.approx(1)
+    per_episode = loss_weights([2, 6], token_level=False)
+    assert per_episode[0] * 2 == pytest.approx(0.5) and per_episode[1] * 6 == pytest.approx(0.5)
+
+
+# --------------------------------------------------------------------------- cold-start demonstrations
+
+
+def test_expert_demonstrations_walk_the_gold_path_and_answer_correctly(qa_warehouse: Warehouse, retriever: Retriever):
+    env = GraphR1Env(retriever, GraphR1Config(max_steps=6, traverse_limit=10))
+    items = load_qa_items(qa_warehouse, "train")
+    assert items and all(i.extra["question_type"] for i in items)
+    demos = expert_demonstrations(env, items)
+    assert len(demos.states) >= len(items) // 2, demos.dropped
+    assert {s.item.extra["question_type"] for s in demos.states} == {"mc", "yesno", "short_1hop", "short_2hop"}
+    for state in demos.states:
+        assert all(state.well_formed) and episode_reward(state).correct
+        assert state.actions[0] == "search" and state.actions[-1] == "answer" and "analyze" in state.actions
+        # Every concept the expert names was in an observation before it used it.
+        seen = ""
+        for message in state.messages[2:]:
+            if message.role == "user":
+                seen += message.content
+            elif "<traverse>" in message.content or "<analyze>" in message.content:
+                cui = message.content.split(">")[-2].split("<")[0]
+                assert cui in seen, (state.item.qid, cui)
+
+
+# --------------------------------------------------------------------------- a tiny model that learns
+
+
+@pytest.fixture(scope="module")
+def tiny_model_dir(smollm2, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A randomly initialised 2-layer Llama with SmolLM2's tokenizer and chat template."""
+    from transformers import GenerationConfig as HfGenerationConfig
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tokenizer = smollm2.tokenizer
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=1024, tie_word_embeddings=True,
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=smollm2.eos_ids[0], pad_token_id=smollm2.pad_id))
+    model.generation_config = HfGenerationConfig(eos_token_id=smollm2.eos_ids[0], pad_token_id=smollm2.pad_id)
+    out = tmp_path_factory.mktemp("tiny_llama")
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+TOY_ENV = GraphR1Env(None, GraphR1Config(actions=(), max_steps=2, max_new_tokens=16))  # answers only: no retriever
+TOY = [QaItem("toy", f"q{i}", f"Is {term} a medical term?", {"A": "yes", "B": "no"}, "A")
+       for i, term in enumerate(["fever", "cough", "asthma", "anemia", "gout", "acne"])]
+
+
+@pytest.fixture(scope="module")
+def tiny_sft_dir(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny model taught the answer format on demonstrations that say A and B equally often."""
+    demos = [finished(TOY_ENV, item, [f"<think>check</think><answer>{'AB'[i % 2]}</answer>"])
+             for i, item in enumerate(TOY)]
+    config = SftConfig(steps=100, batch_size=4, micro_batch_size=4, lr=3e-3, graph_r1=TOY_ENV.config, device="cpu",
+                       bf16=False)  # bf16 pays off for wide matmuls, not for a 64-wide model
+    result = train_sft(tiny_model_dir, demos, config)
+    assert result.metrics["train_nll_last"] < 0.2 < result.metrics["train_nll_first"]
+    return save_policy(result.policy, tmp_path_factory.mktemp("tiny_sft") / "policy")
+
+
+def mean_reward(policy: TransformersChatModel) -> dict[str, float]:
+    return rollout(policy, TOY_ENV, TOY, 8, generation_config(16, temperature=1.0, seed=123)).stats
+
+
+TINY_GRPO = GrpoConfig(steps=6, questions_per_step=2, group_size=8, micro_batch_size=16, lr=1e-3, beta=0.02,
+                       graph_r1=TOY_ENV.config, device="cpu", bf16=False, valid_items=0)
+
+
+def test_a_few_grpo_steps_raise_the_mean_reward(tiny_sft_dir: Path):
+    before = mean_reward(TransformersChatModel(tiny_sft_dir, device="cpu"))
+    result = train_grpo(tiny_sft_dir, TOY_ENV, TOY, [], TINY_GRPO)
+    after = mean_reward(result.policy)
+    print(f"tiny GRPO: mean reward {before['reward']:.3f} -> {after['reward']:.3f} "
+          f"(accuracy {before['accuracy']:.3f} -> {after['accuracy']:.3f}, 48 samples, seed 123)")
+    assert before["format_rate"] > 0.5  # the cold start taught the format; the answer is a coin flip
+    assert after["reward"] > before["reward"] + 0.15
+    assert result.history[0]["policy_tokens"] > 0 and any(h["kl"] > 0 for h in result.history)
+
+
+def test_training_resumes_from_its_checkpoint_exactly(tiny_sft_dir: Path, tmp_path: Path):
+    config = replace(TINY_GRPO, steps=2, checkpoint_every=1)
+    straight = train_grpo(tiny_sft_dir, TOY_ENV, TOY, [], config)
+    train_grpo(tiny_sft_dir, TOY_ENV, TOY, [], replace(config, steps=1), checkpoint_dir=tmp_path)  # "interrupted" after step 1
+    (tmp_path / ".step-000002.abandoned.tmp").mkdir()  # a save that died half-way is ignored
+    assert latest_checkpoint(tmp_path).name == "step-000001"
+    resumed = train_grpo(tiny_sft_dir, TOY_ENV, TOY, [], config, checkpoint_dir=tmp_path)
+    assert [h["step"] for h in resumed.history] == [1, 2]
+    assert resumed.history[1]["reward"] == straight.history[1]["reward"]
+    for a, b in zip(straight.policy.model.parameters(), resumed.policy.model.parameters(), strict=True):
+        torch.testing.assert_close(a, b)
+    assert latest_checkpoint(tmp_path).name == "step-000002" and not (tmp_path / "step-000001").exists()
+    assert {p.name for p in (tmp_path / "step-000002").iterdir()} == {"policy", "optimizer.pt", "state.json"}
+
+
+# --------------------------------------------------------------------------- vLLM rollouts
+
+
+def test_vllm_rollouts_publish_each_adapter_and_unload_the_previous(tiny_model_dir: Path, tmp_path: Path):
+    posts: list[tuple[str, dict]] = []
+
+    class Server(BaseHTTPRequestHandler):
+        def log_message(self, *args: object) -> None:
+            pass
+
+        def do_POST(self) -> None:
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            posts.append((self.path, body))
+            reply = {"choices": [{"message": {"content": f"<think>x</think><answer>{body.get('model')}"},
+                                  "finish_reason": "stop"}]} if self.path.endswith("completions") else {}
+            data = json.dumps(reply).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+    server = HTTPServer(("127.0.0.1", 0), Server)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        from medgraph.rl.model import LoraSettings, load_trainable
+
+        policy = load_trainable(tiny_model_dir, lora=LoraSettings(r=2, alpha=4), device="cpu")
+        engine = VllmRollouts(f"openai:base@http://127.0.0.1:{server.server_port}/v1", tmp_path)
+        engine.sync(policy, 1)
+        engine.sync(policy, 2)
+        reply = engine.generate([[user("q")]], GenerationConfig(max_new_tokens=8, stop=("</answer>",)))[0]
+    finally:
+        server.shutdown()
+    assert [(p, b.get("lora_name")) for p, b in posts[:3]] == [
+        ("/v1/load_lora_adapter", "policy-step-000001"), ("/v1/load_lora_adapter", "policy-step-000002"),
+        ("/v1/unload_lora_adapter", "policy-step-000001")]
+    assert (tmp_path / "policy-step-000002" / "adapter_config.json").is_file()
+    assert reply.text.endswith("policy-step-000002")  # rollouts ask for the newest adapter
+
+
+# --------------------------------------------------------------------------- the assets
+
+
+@pytest.mark.slow
+def test_policy_assets_train_register_and_load_the_champion(qa_warehouse: Warehouse, smollm2, tmp_path: Path,
+                                                            mlflow_db: Path):
+    home = qa_warehouse.path.parent
+    tracking_uri = f"sqlite:///{mlflow_db}"
+    resources = {"warehouse": WarehouseResource(home=str(home)), "encoder": EncoderResource(max_length=128),
+                 # The session's converted checkpoint as a local model directory: no second GGUF conversion.
+                 "llm": LlmResource(spec=str(smollm2.model_dir), home=str(tmp_path), device="cpu"),
+                 "mlflow_tracking": MlflowResource(tracking_uri=tracking_uri, artifact_root=str(tmp_path / "art"))}
+    assert load_champion_policy(tracking_uri) is None
+    instance = dg.DagsterInstance.ephemeral()
+    with pytest.raises(dg.Failure, match="materialize models/graph_r1_sft first"):
+        dg.materialize([graph_r1_policy], resources=resources, instance=instance)
+    run_config = dg.RunConfig(ops={"models__graph_r1_sft": {"config": {"profile": "tiny", "evaluate_base": False}},
+                                   "models__graph_r1_policy": {"config": {"profile": "tiny"}}})
+    result = dg.materialize([graph_r1_sft, graph_r1_policy], resources=resources, instance=instance,
+                            run_config=run_config)
+    assert result.success
+    (sft,) = result.asset_materializations_for_node("models__graph_r1_sft")
+    assert sft.metadata["demonstrations"].value > 0 and sft.metadata["validation_questions"].value == 1
+    assert {"valid_reward", "valid_accuracy", "valid_format_rate", "train_nll_last"} <= set(sft.metadata)
+    (policy,) = result.asset_materializations_for_node("models__graph_r1_policy")
+    metadata = policy.metadata
+    assert metadata["promoted"].value is True and metadata["model_version"].value == "1"
+    assert metadata["sft_model_uri"].value == sft.metadata["model_uri"].value
+    assert policy.tags["dagster/data_version"] == f"{POLICY_MODEL_NAME}@champion=v1"
+
+    tracking = resources["mlflow_tracking"].tracking()
+    run = tracking.client.get_run(metadata["mlflow_run_id"].value)
+    curves = {"reward", "format_rate", "kl", "valid_accuracy", "valid_reward"}
+    assert curves <= set(run.data.metrics)
+    assert len(tracking.client.get_metric_history(run.info.run_id, "valid_accuracy")) == 2  # step 0 and the end
+    assert run.data.tags["dagster/asset_key"] == "models/graph_r1_policy"
+    assert {a.path for a in tracking.client.list_artifacts(run.info.run_id)} >= {"training.json",
+                                                                                  "training_curves.png"}
+    assert not any((home / "checkpoints" / "graph_r1_policy").glob("*/checkpoints/step-*"))  # cleaned up
+
+    champion = load_champion_policy(tracking_uri)
+    assert isinstance(champion, TransformersChatModel) and champion.name == "graph-r1-policy"
+    reply = champion.complete([user("Which drug may treat hypertension?")], GenerationConfig(max_new_tokens=4))
+    assert reply.completion_tokens > 0
