@@ -21,6 +21,7 @@ class Settings:
     lake: str = ""  # MEDGRAPH_LAKE: a local directory or s3://bucket/prefix; "" = $MEDGRAPH_HOME/lake
     s3_endpoint_url: str | None = None  # an S3-compatible server (MinIO, moto); None = AWS (or AWS_ENDPOINT_URL_S3)
     aws_secret_id: str | None = None  # a Secrets Manager secret holding the AWS keys; None = the AWS chain
+    mlflow_artifacts: str = ""  # MEDGRAPH_MLFLOW_ARTIFACTS: where new experiments keep artifacts (s3://...); "" = $MEDGRAPH_HOME/artifacts
 
     @property
     def lake_location(self) -> str:
@@ -57,4 +58,5 @@ def load_settings(env: dict[str, str] | None = None) -> Settings:
         lake=env.get("MEDGRAPH_LAKE") or "",
         s3_endpoint_url=env.get("MEDGRAPH_S3_ENDPOINT_URL") or None,
         aws_secret_id=env.get("MEDGRAPH_AWS_SECRET_ID") or None,
+        mlflow_artifacts=env.get("MEDGRAPH_MLFLOW_ARTIFACTS") or "",
     )

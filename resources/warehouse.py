@@ -106,6 +106,7 @@ def build_resources(settings: Settings | None = None) -> dict[str, dg.Configurab
         "dbt": DbtCliResource(project_dir=dbt_project, dbt_executable=DBT_EXECUTABLE),
         "release": UmlsReleaseResource(home=home, umls_dir=settings.umls_dir, profile=settings.profile, s3=s3),
         "encoder": EncoderResource(spec=settings.encoder),
-        "mlflow_tracking": default_mlflow_resource(settings.home, settings.mlflow_tracking_uri),
+        "mlflow_tracking": default_mlflow_resource(settings.home, settings.mlflow_tracking_uri,
+                                                   settings.mlflow_artifacts),
         "llm": LlmResource(spec=settings.llm, home=home),
     }
