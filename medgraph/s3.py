@@ -29,6 +29,10 @@ class S3UriError(ValueError):
     """A string that should be `s3://bucket[/prefix]` is not."""
 
 
+class LakeNotLocalError(NotImplementedError):
+    """A step that keeps local files beside the lake's tables ran with the lake on S3."""
+
+
 def is_s3_uri(location: str | os.PathLike | None) -> bool:
     return isinstance(location, str) and location.startswith("s3://")
 
@@ -156,6 +160,15 @@ class S3Lake:
     def exists(self, path: str) -> bool:
         listed = self.client.list_objects_v2(Bucket=self.bucket, Prefix=self._key(path), MaxKeys=1)
         return any(o["Key"] == self._key(path) for o in listed.get("Contents", []))
+
+    @property
+    def root(self) -> Path:
+        # Steps that still treat the lake as a directory (embedding tables read with pyarrow, FAISS index and
+        # CSR cache files beside them) must fail with this, not with an AttributeError deep inside.
+        raise LakeNotLocalError(
+            f"this step reads or writes files directly under the lake directory, and the lake is {self.uri}: "
+            "on S3 the UMLS tables, the dbt KG marts and the evaluation tables are supported; run the "
+            "embedding, text and model assets with a local lake (unset MEDGRAPH_LAKE) for now")
 
     @property
     def scratch_dir(self) -> Path:

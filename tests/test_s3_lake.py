@@ -12,7 +12,7 @@ import dagster as dg
 import pytest
 from conftest import replace_line
 
-from medgraph.s3 import S3Lake, S3UriError, download_release, parse_s3_uri
+from medgraph.s3 import LakeNotLocalError, S3Lake, S3UriError, download_release, parse_s3_uri
 from medgraph.settings import load_settings
 from medgraph.storage import Warehouse
 from medgraph.umls.filters import IngestFilters
@@ -159,6 +159,16 @@ def test_bad_s3_locations_are_clear_errors(tmp_path: Path):
         parse_s3_uri("s3://Bad_Bucket/x")
     with pytest.raises(S3UriError, match="not an S3 location"):
         WarehouseResource(home=str(tmp_path), lake="s3://x").open()
+
+
+def test_steps_that_need_a_local_lake_directory_say_so(tmp_path: Path, s3_server: str, aws_env):
+    from medgraph.kg.csr import build_graph_index
+    from resources.warehouse import S3Access, WarehouseResource
+
+    warehouse = WarehouseResource(home=str(tmp_path), lake="s3://medgraph-lake/x",
+                                  s3=S3Access(endpoint_url=s3_server)).open()
+    with pytest.raises(LakeNotLocalError, match="the lake is s3://medgraph-lake/x: on S3 the UMLS tables"):
+        build_graph_index(warehouse)
 
 
 def test_mlflow_artifacts_go_to_s3(tmp_path: Path, s3, bucket: str, s3_server: str,
