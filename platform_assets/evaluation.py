@@ -16,8 +16,14 @@ import mlflow
 
 from medgraph.eval.benchmarks import dataset_names, load_benchmark
 from medgraph.eval.evaluate import markdown_table, summarize, write_run
-from medgraph.eval.monitoring import (Alarm, EvalTableMissing, TokenPrice, cost_alarm, latency_p95_alarm,
-                                      step_budget_alarm)
+from medgraph.eval.monitoring import (
+    Alarm,
+    EvalTableMissing,
+    TokenPrice,
+    cost_alarm,
+    latency_p95_alarm,
+    step_budget_alarm,
+)
 from medgraph.kg.qa import load_mirage
 from medgraph.methods.registry import make_config, run_method
 from medgraph.methods.tools import KnowledgeTools

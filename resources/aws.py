@@ -14,6 +14,7 @@ from typing import Any
 
 import boto3
 import botocore.config
+import botocore.exceptions
 from dagster_aws.s3 import S3Resource
 from dagster_aws.secretsmanager import SecretsManagerResource
 
@@ -32,7 +33,8 @@ class AwsSecretsResource(SecretsManagerResource):
     def json_secret(self, secret_id: str, required: tuple[str, ...] = ()) -> dict[str, str]:
         try:
             raw = self.get_client().get_secret_value(SecretId=secret_id)["SecretString"]
-        except Exception as error:  # botocore's ClientError and friends; say which secret, not what is in it
+        except (botocore.exceptions.BotoCoreError, botocore.exceptions.ClientError) as error:
+            # Say which secret failed, never what is in it.
             raise SecretValueError(f"cannot read secret {secret_id!r} from Secrets Manager: "
                                    f"{type(error).__name__}") from None
         try:

@@ -100,7 +100,7 @@ def postgres_server(password: str = "pg-test-password") -> Iterator[Postgres]:
 
     def run(*args: str) -> None:
         proc = subprocess.run([str(bin_dir / args[0]), *args[1:]], capture_output=True, text=True,
-                              preexec_fn=as_server_user, cwd=root)
+                              preexec_fn=as_server_user, cwd=root, check=False)
         if proc.returncode != 0:
             detail = log.read_text()[-2000:] if log.exists() else ""
             raise RuntimeError(f"{args[0]} failed: {proc.stderr[-2000:]}\n{detail}")
