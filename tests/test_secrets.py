@@ -75,7 +75,7 @@ def test_no_secret_reaches_logs_metadata_mlflow_reports_or_dbt_files(
 
     (tmp_path / "dagster_home").mkdir()
     instance = dg.DagsterInstance.local_temp(str(tmp_path / "dagster_home"))
-    result = dg.materialize([*umls.umls_tables, *umls.umls_checks, kg.kg_dbt_models, evaluation.evaluation_report,
+    result = dg.materialize([*umls.umls_tables, kg.kg_dbt_models, evaluation.evaluation_report,
                              *[c for c in evaluation.eval_checks if "eval_a2rag" in str(c.check_keys)]],
                             resources=resources, instance=instance, raise_on_error=False)
     assert result.success, [e.message for e in result.all_events if e.is_failure]
