@@ -1,6 +1,28 @@
 """Asset jobs and schedules."""
 
+import os
+from pathlib import Path
+
 import dagster as dg
+import yaml
+
+
+def gpu_run_tags(env: dict[str, str] | None = None) -> dict[str, str]:
+    """Run tags of the jobs that need a GPU: `medgraph/accelerator=gpu` (the run queue admits one such run at a
+    time, deploy/production/dagster.yaml), plus the launcher's tags from the YAML file MEDGRAPH_GPU_RUN_TAGS
+    names (ECS: GPU task definition and capacity provider; Kubernetes: GPU limits and node selector)."""
+    env = os.environ if env is None else env
+    tags = {"medgraph/accelerator": "gpu"}
+    path = env.get("MEDGRAPH_GPU_RUN_TAGS")
+    if path:
+        if not Path(path).is_file():
+            raise FileNotFoundError(f"MEDGRAPH_GPU_RUN_TAGS={path} is not a file (expected a YAML mapping of run tags)")
+        launcher_tags = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
+        if not isinstance(launcher_tags, dict) or not all(isinstance(v, str) for v in launcher_tags.values()):
+            raise ValueError(f"{path}: run tags must be a mapping of names to strings (JSON values as strings)")
+        tags.update(launcher_tags)
+    return tags
+
 
 umls_ingest_job = dg.define_asset_job(
     "umls_ingest",
@@ -15,12 +37,14 @@ evaluate_job = dg.define_asset_job(
     "evaluate_methods",
     selection=EVALUATIONS,
     description="Re-evaluate A2RAG, Graph-R1, SEMA-RAG and the baselines on one benchmark dataset.",
+    tags=gpu_run_tags(),
 )
 
 retrain_job = dg.define_asset_job(
     "retrain_models",
     selection=dg.AssetSelection.groups("models"),
     description="Retrain the GAT, the HIIM projector and the Graph-R1 policy; champions move only if better.",
+    tags=gpu_run_tags(),
 )
 
 weekly_retraining = dg.ScheduleDefinition(

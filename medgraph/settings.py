@@ -18,6 +18,14 @@ class Settings:
     llm: str
     mlflow_tracking_uri: str
     benchmark: str = "kg"  # evaluation benchmark spec (medgraph.eval.benchmarks)
+    lake: str = ""  # MEDGRAPH_LAKE: a local directory or s3://bucket/prefix; "" = $MEDGRAPH_HOME/lake
+    s3_endpoint_url: str | None = None  # an S3-compatible server (MinIO, moto); None = AWS (or AWS_ENDPOINT_URL_S3)
+    aws_secret_id: str | None = None  # a Secrets Manager secret holding the AWS keys; None = the AWS chain
+    mlflow_artifacts: str = ""  # MEDGRAPH_MLFLOW_ARTIFACTS: where new experiments keep artifacts (s3://...); "" = $MEDGRAPH_HOME/artifacts
+
+    @property
+    def lake_location(self) -> str:
+        return self.lake or str(self.lake_root)
 
     @property
     def warehouse_path(self) -> Path:
@@ -47,4 +55,8 @@ def load_settings(env: dict[str, str] | None = None) -> Settings:
         llm=env.get("MEDGRAPH_LLM") or "smollm2-135m-instruct",
         mlflow_tracking_uri=env.get("MLFLOW_TRACKING_URI") or f"sqlite:///{home / 'mlflow.db'}",
         benchmark=env.get("MEDGRAPH_BENCHMARK") or "kg",
+        lake=env.get("MEDGRAPH_LAKE") or "",
+        s3_endpoint_url=env.get("MEDGRAPH_S3_ENDPOINT_URL") or None,
+        aws_secret_id=env.get("MEDGRAPH_AWS_SECRET_ID") or None,
+        mlflow_artifacts=env.get("MEDGRAPH_MLFLOW_ARTIFACTS") or "",
     )

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -78,7 +79,9 @@ class Tracking:
         if experiment is not None:
             return experiment.experiment_id
         location = self.artifact_root.rstrip("/") + "/" + asset
-        if "://" not in location:
+        # A URI (s3://..., and mlflow-artifacts:/... of a server that proxies artifacts) goes to MLflow as it
+        # is; anything else is a local directory.
+        if not re.match(r"^[A-Za-z][A-Za-z0-9+.-]+:", location):
             Path(location).mkdir(parents=True, exist_ok=True)
             location = Path(location).resolve().as_uri()
         try:

@@ -16,6 +16,14 @@ import mlflow
 
 from medgraph.eval.benchmarks import dataset_names, load_benchmark
 from medgraph.eval.evaluate import markdown_table, summarize, write_run
+from medgraph.eval.monitoring import (
+    Alarm,
+    EvalTableMissing,
+    TokenPrice,
+    cost_alarm,
+    latency_p95_alarm,
+    step_budget_alarm,
+)
 from medgraph.kg.qa import load_mirage
 from medgraph.methods.registry import make_config, run_method
 from medgraph.methods.tools import KnowledgeTools
@@ -173,6 +181,65 @@ eval_assets = [
                 "SEMA-RAG (I-Agent schema, E-Agent sufficiency loop, A-Agent evidence report)."),
 ]
 
+class LatencyBudget(dg.Config):
+    max_p95_s: float = 60.0
+    """Alarm when any method's p95 latency per question exceeds this (seconds)."""
+
+
+class CostBudget(dg.Config):
+    prompt_usd_per_1k_tokens: float = 0.0
+    """Price of 1,000 prompt tokens (0: a self-hosted model; set the provider's price for an API)."""
+    completion_usd_per_1k_tokens: float = 0.0
+    max_usd_per_question: float = 0.05
+    """Alarm when a method's estimated cost per question (mean tokens x price) exceeds this."""
+
+
+class StepBudget(dg.Config):
+    max_agent_steps: int = 10
+    """The agent step budget (Graph-R1 stops at 10 steps by design; more means the loop guard failed)."""
+    max_gsrm_iterations: int = 2
+    """GSRM's K: more iterations than configured means the refinement loop ran away."""
+
+
+def _warn(alarm: Alarm) -> dg.AssetCheckResult:
+    return dg.AssetCheckResult(passed=alarm.passed, severity=dg.AssetCheckSeverity.WARN,
+                               description=alarm.description, metadata=alarm.metadata)
+
+
+def _guarded(compute) -> dg.AssetCheckResult:
+    try:
+        return _warn(compute())
+    except EvalTableMissing as missing:
+        return _warn(Alarm(False, str(missing)))
+
+
+def _monitoring_checks(asset: dg.AssetsDefinition) -> list[dg.AssetChecksDefinition]:
+    """Operational alarms (WARN: they inform, they do not block) over the asset's summary/results tables."""
+    name = asset.key.path[-1]
+
+    @dg.asset_check(asset=asset, name="latency_p95_within_budget",
+                    description="p95 latency per question of each method vs LatencyBudget.max_p95_s.")
+    def latency_p95_within_budget(config: LatencyBudget, warehouse: WarehouseResource) -> dg.AssetCheckResult:
+        return _guarded(lambda: latency_p95_alarm(warehouse.open(), name, config.max_p95_s))
+
+    @dg.asset_check(asset=asset, name="cost_per_question_within_budget",
+                    description="Estimated cost per question (tokens x configured price) vs CostBudget.")
+    def cost_per_question_within_budget(config: CostBudget, warehouse: WarehouseResource) -> dg.AssetCheckResult:
+        price = TokenPrice(config.prompt_usd_per_1k_tokens, config.completion_usd_per_1k_tokens)
+        return _guarded(lambda: cost_alarm(warehouse.open(), name, price, config.max_usd_per_question))
+
+    @dg.asset_check(asset=asset, name="step_budgets_respected",
+                    description="No question exceeded the agent step budget or GSRM's iteration count.")
+    def step_budgets_respected(config: StepBudget, warehouse: WarehouseResource) -> dg.AssetCheckResult:
+        return _guarded(lambda: step_budget_alarm(warehouse.open(), name, config.max_agent_steps,
+                                                  config.max_gsrm_iterations))
+
+    return [latency_p95_within_budget, cost_per_question_within_budget, step_budgets_respected]
+
+
+eval_checks = [check for asset in eval_assets for check in _monitoring_checks(asset)]
+
+
 def _reward_curves(tracking, name: str) -> dict[str, list[tuple[int, float]]]:
     """Reward-like metric histories of the champion's training run (empty when none is registered)."""
     version = tracking.champion_version(name)
@@ -232,4 +299,4 @@ def evaluation_report(context: dg.AssetExecutionContext, warehouse: WarehouseRes
     })
 
 
-defs = dg.Definitions(assets=[qa_benchmark, *eval_assets, evaluation_report])
+defs = dg.Definitions(assets=[qa_benchmark, *eval_assets, evaluation_report], asset_checks=eval_checks)

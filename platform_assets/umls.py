@@ -4,7 +4,6 @@ import dagster as dg
 
 from medgraph.umls import checks
 from medgraph.umls.ingest import ingest_rrf_file
-from medgraph.umls.release import release_fingerprint
 from medgraph.umls.schema import INGESTED, MRCONSO, MRREL, RrfLayout
 from resources import UmlsReleaseResource, WarehouseResource
 
@@ -20,12 +19,11 @@ INGEST_CODE_VERSION = "1"
     "Its data version is a content fingerprint, so an unchanged release triggers nothing.",
 )
 def umls_release(context: dg.AssetExecutionContext, release: UmlsReleaseResource) -> dg.ObserveResult:
-    path = release.path()
-    fingerprint = release_fingerprint(path)
+    fingerprint, path = release.fingerprint()
     context.log.info(f"UMLS release at {path}: fingerprint {fingerprint}")
     return dg.ObserveResult(
         data_version=dg.DataVersion(fingerprint),
-        metadata={"path": dg.MetadataValue.path(str(path)), "fingerprint": fingerprint, "profile": release.profile},
+        metadata={"path": dg.MetadataValue.path(path), "fingerprint": fingerprint, "profile": release.profile},
     )
 
 

@@ -54,5 +54,8 @@ class MlflowResource(dg.ConfigurableResource):
             yield run
 
 
-def default_mlflow_resource(home: Path, tracking_uri: str) -> MlflowResource:
-    return MlflowResource(tracking_uri=tracking_uri, artifact_root=str(home / "artifacts"))
+def default_mlflow_resource(home: Path, tracking_uri: str, artifact_root: str = "") -> MlflowResource:
+    """Artifacts under MEDGRAPH_HOME unless `artifact_root` (MEDGRAPH_MLFLOW_ARTIFACTS, e.g. s3://bucket/mlflow:
+    MLflow then writes through boto3, with MLFLOW_S3_ENDPOINT_URL for an S3-compatible server). A tracking
+    server started with --serve-artifacts needs neither: it stores artifacts itself."""
+    return MlflowResource(tracking_uri=tracking_uri, artifact_root=artifact_root or str(home / "artifacts"))

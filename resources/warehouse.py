@@ -5,22 +5,44 @@ from pathlib import Path
 
 import dagster as dg
 
+from medgraph.s3 import download_release, is_s3_uri, list_objects, listing_fingerprint
 from medgraph.settings import Settings, load_settings
-from medgraph.storage import Lake, Warehouse
+from medgraph.storage import Warehouse, open_lake
 from medgraph.umls.filters import IngestFilters
-from medgraph.umls.release import resolve_release_dir
+from medgraph.umls.release import release_fingerprint, resolve_release_dir
+from medgraph.umls.schema import INGESTED
+from resources.aws import LakeS3Resource, lake_s3_resource
+
+
+class S3Access(dg.Config):
+    """How to reach S3 (the lake, the release): an endpoint for S3-compatible servers, and where the keys
+    come from. Plain config, not a nested resource, so the resources stay usable in build_*_context."""
+
+    endpoint_url: str | None = None
+    """MEDGRAPH_S3_ENDPOINT_URL; None: AWS (or boto3's AWS_ENDPOINT_URL_S3)."""
+    credentials_secret_id: str | None = None
+    """MEDGRAPH_AWS_SECRET_ID: a Secrets Manager secret with the keys; None: the AWS chain (env, profile, role)."""
+
+    def resource(self) -> LakeS3Resource:
+        return lake_s3_resource(self.endpoint_url, self.credentials_secret_id)
 
 
 class WarehouseResource(dg.ConfigurableResource):
-    """`$MEDGRAPH_HOME/warehouse.duckdb` and the Parquet lake under `$MEDGRAPH_HOME/lake`."""
+    """`$MEDGRAPH_HOME/warehouse.duckdb` and the Parquet lake: `$MEDGRAPH_HOME/lake`, or `lake`
+    (MEDGRAPH_LAKE: another directory or `s3://bucket/prefix`, reached as `s3` says)."""
 
     home: str
+    lake: str | None = None
+    s3: S3Access = S3Access()
     memory_limit: str = "2GB"
     threads: int | None = None
 
     def open(self) -> Warehouse:
         home = Path(self.home)
-        return Warehouse(home / "warehouse.duckdb", Lake(home / "lake"), self.memory_limit, self.threads)
+        location = self.lake or str(home / "lake")
+        client, options = self.s3.resource().client_and_options() if is_s3_uri(location) else (None, None)
+        lake = open_lake(location, home / "lake_local", client, options)
+        return Warehouse(home / "warehouse.duckdb", lake, self.memory_limit, self.threads)
 
 
 class UmlsReleaseResource(dg.ConfigurableResource):
@@ -29,13 +51,34 @@ class UmlsReleaseResource(dg.ConfigurableResource):
     home: str
     umls_dir: str | None = None
     profile: str = "demo"
+    s3: S3Access = S3Access()
     languages: list[str] | None = ["ENG"]
     excluded_suppress: list[str] = ["O", "E", "Y"]
     sabs: list[str] | None = None
     max_srl: int | None = None
 
     def path(self) -> Path:
+        """A local META directory; a release on S3 is mirrored first into `$MEDGRAPH_HOME/umls_cache`
+        (only files whose ETag or size changed are downloaded)."""
+        if is_s3_uri(self.umls_dir):
+            names = tuple(layout.filename for layout in INGESTED)
+            return download_release(self._s3_client(), self.umls_dir, Path(self.home) / "umls_cache", names)
         return resolve_release_dir(self.umls_dir, Path(self.home) / "sample_release" / self.profile, self.profile)
+
+    def fingerprint(self) -> tuple[str, str]:
+        """(content fingerprint, location). On S3 from names, sizes and ETags: a sensor tick downloads nothing."""
+        if is_s3_uri(self.umls_dir):
+            names = tuple(layout.filename for layout in INGESTED)
+            objects = [o for o in list_objects(self._s3_client(), self.umls_dir)
+                       if o.key.rsplit("/", 1)[-1].startswith(names)]
+            if not objects:
+                raise FileNotFoundError(f"no UMLS release files under {self.umls_dir}")
+            return listing_fingerprint(objects), self.umls_dir
+        path = self.path()
+        return release_fingerprint(path), str(path)
+
+    def _s3_client(self):
+        return self.s3.resource().get_client()
 
     def filters(self) -> IngestFilters:
         return IngestFilters(
@@ -50,6 +93,7 @@ def build_resources(settings: Settings | None = None) -> dict[str, dg.Configurab
     """The resources of the code location, configured from the environment (DESIGN.md "Settings")."""
     settings = settings or load_settings()
     home = str(settings.home)
+    s3 = S3Access(endpoint_url=settings.s3_endpoint_url, credentials_secret_id=settings.aws_secret_id)
     from dagster_dbt import DbtCliResource
 
     from platform_assets.dbt_project import DBT_EXECUTABLE, dbt_project
@@ -58,10 +102,11 @@ def build_resources(settings: Settings | None = None) -> dict[str, dg.Configurab
     from resources.mlflow import default_mlflow_resource
 
     return {
-        "warehouse": WarehouseResource(home=home),
+        "warehouse": WarehouseResource(home=home, lake=settings.lake or None, s3=s3),
         "dbt": DbtCliResource(project_dir=dbt_project, dbt_executable=DBT_EXECUTABLE),
-        "release": UmlsReleaseResource(home=home, umls_dir=settings.umls_dir, profile=settings.profile),
+        "release": UmlsReleaseResource(home=home, umls_dir=settings.umls_dir, profile=settings.profile, s3=s3),
         "encoder": EncoderResource(spec=settings.encoder),
-        "mlflow_tracking": default_mlflow_resource(settings.home, settings.mlflow_tracking_uri),
+        "mlflow_tracking": default_mlflow_resource(settings.home, settings.mlflow_tracking_uri,
+                                                   settings.mlflow_artifacts),
         "llm": LlmResource(spec=settings.llm, home=home),
     }

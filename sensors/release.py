@@ -8,7 +8,7 @@ repeated evaluation of the same change idempotent.
 import dagster as dg
 
 from jobs import umls_ingest_job
-from medgraph.umls.release import MissingRrfFileError, release_fingerprint
+from medgraph.umls.release import MissingRrfFileError
 from resources import UmlsReleaseResource
 
 
@@ -16,8 +16,7 @@ from resources import UmlsReleaseResource
            description="Requests UMLS ingestion when the release at MEDGRAPH_UMLS_DIR appears or changes.")
 def umls_release_sensor(context: dg.SensorEvaluationContext, release: UmlsReleaseResource) -> dg.SensorResult:
     try:
-        path = release.path()
-        fingerprint = release_fingerprint(path)
+        fingerprint, path = release.fingerprint()  # on S3: from the listing, nothing downloaded
     except (FileNotFoundError, MissingRrfFileError) as error:
         return dg.SensorResult(skip_reason=f"no complete release: {error}")
     if fingerprint == context.cursor:
@@ -25,6 +24,6 @@ def umls_release_sensor(context: dg.SensorEvaluationContext, release: UmlsReleas
     context.log.info(f"release at {path}: fingerprint {context.cursor or 'none'} -> {fingerprint}")
     return dg.SensorResult(
         run_requests=[dg.RunRequest(run_key=f"umls-release-{fingerprint}",
-                                    tags={"medgraph/release_fingerprint": fingerprint, "medgraph/release_path": str(path)})],
+                                    tags={"medgraph/release_fingerprint": fingerprint, "medgraph/release_path": path})],
         cursor=fingerprint,
     )

@@ -187,3 +187,31 @@ def smollm2(tmp_path_factory: pytest.TempPathFactory):
     from medgraph.llm import load_llm
 
     return load_llm("smollm2-135m-instruct", home=tmp_path_factory.mktemp("llm_home"), device="cpu")
+
+
+@pytest.fixture(scope="session")
+def s3_server() -> str:
+    """A real S3-compatible server (moto's standalone server) on loopback for the session; its endpoint URL.
+    Also serves Secrets Manager. Requests go over HTTP, nothing in boto3 is patched."""
+    pytest.importorskip("moto.server", reason="moto[server] is not installed (pip install -e '.[dev]')")
+    import logging
+
+    from moto.server import ThreadedMotoServer
+
+    logging.getLogger("werkzeug").setLevel(logging.WARNING)  # one log line per request otherwise
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    yield f"http://{host}:{port}"
+    server.stop()
+
+
+@pytest.fixture
+def aws_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Fake but well-formed AWS credentials and region for the loopback server; no ~/.aws files consulted."""
+    for name, value in {"AWS_ACCESS_KEY_ID": "testing-key-id", "AWS_SECRET_ACCESS_KEY": "testing-secret",
+                        "AWS_DEFAULT_REGION": "us-east-1", "AWS_CONFIG_FILE": str(tmp_path / "no-aws-config"),
+                        "AWS_SHARED_CREDENTIALS_FILE": str(tmp_path / "no-aws-credentials")}.items():
+        monkeypatch.setenv(name, value)
+    for name in ("AWS_SESSION_TOKEN", "AWS_PROFILE", "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3"):
+        monkeypatch.delenv(name, raising=False)

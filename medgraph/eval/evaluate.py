@@ -139,20 +139,34 @@ def result_rows(results: Iterable[MethodResult]) -> list[dict[str, object]]:
              "stats": json.dumps(r.stats, sort_keys=True, default=str)} for r in results]
 
 
-def write_partition(warehouse: Warehouse, table: str, partition: str, rows: Sequence[Mapping[str, object]]) -> Path:
+def write_partition(warehouse: Warehouse, table: str, partition: str,
+                    rows: Sequence[Mapping[str, object]]) -> Path | str:
     """Replace one dataset's file of `eval.<table>` atomically and (re)point the view at all files."""
     lake = warehouse.lake
-    folder = lake.root / SCHEMA / table
-    folder.mkdir(parents=True, exist_ok=True)
-    final = folder / f"{_safe(partition)}.parquet"
-    staging = folder / f".{final.name}.tmp"
-    try:
-        pq.write_table(pa.Table.from_pylist(list(rows)), staging, compression="zstd")
-        staging.replace(final)
-    except BaseException:
-        staging.unlink(missing_ok=True)
-        raise
-    glob = sql_literal(str(folder / "*.parquet"))
+    if lake.is_local:
+        folder = lake.root / SCHEMA / table
+        folder.mkdir(parents=True, exist_ok=True)
+        final = folder / f"{_safe(partition)}.parquet"
+        staging = folder / f".{final.name}.tmp"
+        try:
+            pq.write_table(pa.Table.from_pylist(list(rows)), staging, compression="zstd")
+            staging.replace(final)
+        except BaseException:
+            staging.unlink(missing_ok=True)
+            raise
+        glob = sql_literal(str(folder / "*.parquet"))
+    else:  # S3: DuckDB writes the staging object, the lake copies it over the partition's key
+        name = f"{table}/{_safe(partition)}"
+        staging = lake.staging_path(SCHEMA, name)
+        try:
+            with warehouse.scratch() as con:
+                con.register("partition_rows", pa.Table.from_pylist(list(rows)))
+                con.execute(f"COPY partition_rows TO {sql_literal(staging)} (FORMAT parquet, COMPRESSION zstd)")
+            final = lake.publish(staging, SCHEMA, name)
+        except BaseException:
+            lake.discard(staging)
+            raise
+        glob = sql_literal(final.rsplit("/", 1)[0] + "/*.parquet")
     with warehouse.connect() as con:
         con.execute(f"CREATE SCHEMA IF NOT EXISTS {SCHEMA}")
         con.execute(f"CREATE OR REPLACE VIEW {SCHEMA}.{table} AS SELECT * FROM read_parquet({glob}, union_by_name = true)")
@@ -160,7 +174,7 @@ def write_partition(warehouse: Warehouse, table: str, partition: str, rows: Sequ
 
 
 def write_run(warehouse: Warehouse, asset: str, dataset: str, results: Sequence[MethodResult],
-              summaries: Sequence[MethodSummary]) -> dict[str, Path]:
+              summaries: Sequence[MethodSummary]) -> dict[str, Path | str]:
     """The results, traces and summary tables of one evaluation asset's dataset partition."""
     return {
         "results": write_partition(warehouse, f"{asset}_results", dataset, result_rows(results)),

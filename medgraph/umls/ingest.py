@@ -17,6 +17,7 @@ from pathlib import Path
 
 import duckdb
 
+from medgraph.s3 import S3Lake
 from medgraph.storage import Lake, Warehouse, quote_ident, sql_literal
 from medgraph.umls.filters import IngestFilters
 from medgraph.umls.release import RrfSource, rrf_source
@@ -180,7 +181,7 @@ def ingest_rrf_file(
     if filters.max_srl is not None and "SRL" not in layout.columns and not filters.restricted_sabs:
         filters = IngestFilters(**{**filters.__dict__, "restricted_sabs": restricted_sabs(release_dir, filters.max_srl)})
     predicates = filters.predicates(layout)
-    lake: Lake = warehouse.lake
+    lake: Lake | S3Lake = warehouse.lake
 
     with warehouse.scratch() as con:
         # Pass 1: validate every row (typed columns included, so a bad integer
@@ -231,7 +232,7 @@ def ingest_rrf_file(
         rows_out=written,
         rejected=len(rejected),
         bytes_in=source.bytes,
-        parquet_bytes=final.stat().st_size,
+        parquet_bytes=lake.size(final),
         seconds=time.perf_counter() - started,
         parquet_path=str(final),
         filters=filters.as_metadata(),
@@ -240,7 +241,7 @@ def ingest_rrf_file(
     return stats
 
 
-def _publish_rejects(con: duckdb.DuckDBPyConnection, lake: Lake, warehouse: Warehouse,
+def _publish_rejects(con: duckdb.DuckDBPyConnection, lake: Lake | S3Lake, warehouse: Warehouse,
                      layout: RrfLayout, rejected: list[RejectedRow]) -> None:
     """Write the quarantined rows (possibly none, replacing an older list) as `umls.<table>_rejects`."""
     table = f"{layout.table}_rejects"
