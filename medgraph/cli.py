@@ -32,10 +32,10 @@ def _cmd_sample_release(args: argparse.Namespace) -> int:
 def _cmd_status(args: argparse.Namespace) -> int:
     """Where the platform's state is and what it holds (printed at the end of `make demo`)."""
     from medgraph.settings import load_settings
-    from medgraph.storage import Lake, Warehouse
+    from medgraph.storage import open_warehouse
 
     settings = load_settings()
-    warehouse = Warehouse(settings.warehouse_path, Lake(settings.lake_root))
+    warehouse = open_warehouse(settings)
     print(f"MEDGRAPH_HOME      {settings.home}")
     print(f"UMLS release       {settings.umls_dir or settings.sample_release_dir} "
           f"({'MEDGRAPH_UMLS_DIR' if settings.umls_dir else 'sample, profile ' + settings.profile})")
@@ -51,7 +51,7 @@ def _cmd_status(args: argparse.Namespace) -> int:
         for schema, table in tables:
             rows = con.execute(f'SELECT count(*) FROM "{schema}"."{table}"').fetchone()[0]
             print(f"  {schema + '.' + table:<40}{rows:>12,} rows")
-    print(f"lake               {settings.lake_root}")
+    print(f"lake               {settings.lake_location}")
     print(f"MLflow             {settings.mlflow_tracking_uri}")
     print("Dagster UI         make ui   (then open http://127.0.0.1:3000)")
     return 0
@@ -143,10 +143,10 @@ def _cmd_ask(args: argparse.Namespace) -> int:
     from medgraph.methods import make_config, method_of, run_method
     from medgraph.retrieval import Retriever
     from medgraph.settings import load_settings
-    from medgraph.storage import Lake, Warehouse
+    from medgraph.storage import open_warehouse
 
     settings = load_settings()
-    warehouse = Warehouse(settings.warehouse_path, Lake(settings.lake_root))
+    warehouse = open_warehouse(settings)
     if not warehouse.path.exists():
         print(f"no warehouse at {warehouse.path}: build the platform first (`make demo`)", file=sys.stderr)
         return 1

@@ -10,11 +10,17 @@ module knows nothing about Dagster.
 
 from __future__ import annotations
 
+import fnmatch
+import glob
 import hashlib
 import importlib.util
+import json
 import os
 import re
+import shutil
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -30,7 +36,7 @@ class S3UriError(ValueError):
 
 
 class LakeNotLocalError(NotImplementedError):
-    """A step that keeps local files beside the lake's tables ran with the lake on S3."""
+    """Code that treats the lake as a local directory (`lake.root`) ran with the lake on S3."""
 
 
 def is_s3_uri(location: str | os.PathLike | None) -> bool:
@@ -68,6 +74,49 @@ class S3Options:
             params.update(ENDPOINT=endpoint.netloc, URL_STYLE="path", USE_SSL=str(endpoint.scheme == "https").lower())
         body = ", ".join(f"{k} {v}" if k == "TYPE" else f"{k} {_quote(v)}" for k, v in params.items())
         return f"CREATE OR REPLACE SECRET {name} ({body})"
+
+
+_AWS_HOST_SUFFIXES = (".amazonaws.com", ".amazonaws.com.cn")
+
+
+def options_for(client: Any, session: Any) -> S3Options:
+    """DuckDB's view of a boto3 S3 client: its endpoint (unless AWS's own), region and the session's
+    resolved credentials, so DuckDB and boto3 act with the same identity."""
+    credentials = session.get_credentials()
+    frozen = credentials.get_frozen_credentials() if credentials else None
+    endpoint = client.meta.endpoint_url
+    custom = endpoint if not endpoint.split("://", 1)[-1].split("/", 1)[0].endswith(_AWS_HOST_SUFFIXES) else None
+    return S3Options(region=client.meta.region_name or "us-east-1", endpoint_url=custom,
+                     key_id=frozen.access_key if frozen else None, secret=frozen.secret_key if frozen else None,
+                     session_token=frozen.token if frozen else None)
+
+
+def s3_access(endpoint_url: str | None = None, secret_id: str | None = None) -> tuple[Any, S3Options]:
+    """A boto3 S3 client and DuckDB's options, outside Dagster (the CLI, training launchers): keys from
+    the AWS chain, or from the Secrets Manager secret `secret_id` (JSON with aws_access_key_id,
+    aws_secret_access_key, optionally aws_session_token). The Dagster resources build the same pair
+    with dagster-aws (resources/aws.py)."""
+    import boto3
+    import botocore.config
+    import botocore.exceptions
+
+    session = boto3.session.Session()
+    if secret_id:
+        try:
+            raw = session.client("secretsmanager").get_secret_value(SecretId=secret_id)["SecretString"]
+            values = json.loads(raw)
+        except (botocore.exceptions.BotoCoreError, botocore.exceptions.ClientError, ValueError) as error:
+            # Say which secret failed, never what is in it.
+            raise ValueError(f"cannot read AWS keys from secret {secret_id!r}: {type(error).__name__}") from None
+        if not isinstance(values, dict) or not values.get("aws_access_key_id") \
+                or not values.get("aws_secret_access_key"):
+            raise ValueError(f"secret {secret_id!r} lacks aws_access_key_id / aws_secret_access_key")
+        session = boto3.session.Session(aws_access_key_id=values["aws_access_key_id"],
+                                        aws_secret_access_key=values["aws_secret_access_key"],
+                                        aws_session_token=values.get("aws_session_token"))
+    config = botocore.config.Config(retries={"max_attempts": 5, "mode": "standard"})
+    client = session.client("s3", endpoint_url=endpoint_url, config=config)
+    return client, options_for(client, session)
 
 
 def _quote(value: str) -> str:
@@ -139,20 +188,63 @@ class S3Lake:
         return key
 
     def table_path(self, schema: str, table: str) -> str:
-        return self._uri(schema, f"{table}.parquet")
+        return self.file_path(schema, f"{table}.parquet")
+
+    def file_path(self, schema: str, name: str) -> str:
+        return self._uri(schema, name)
 
     def staging_path(self, schema: str, table: str) -> str:
         return self._uri(".staging", schema, f"{table}.{uuid.uuid4().hex[:12]}.parquet")
 
+    def scratch_path(self, schema: str, name: str, suffix: str = ".parquet") -> Path:
+        """A fresh local file (pyarrow, FAISS and numpy write local files; intermediate results never
+        need to cross the network). `install` uploads it."""
+        path = self.local_dir / "scratch" / schema / f".{name}.{uuid.uuid4().hex[:12]}.tmp{suffix}"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        return path
+
     def publish(self, staging: str, schema: str, table: str) -> str:
-        final = self.table_path(schema, table)
+        return self._promote(staging, self.table_path(schema, table))
+
+    def _promote(self, staging: str, final: str) -> str:
         # client.copy is boto3's managed copy: multipart server-side copy beyond 5 GB, still atomic at the end.
         self.client.copy({"Bucket": self.bucket, "Key": self._key(staging)}, self.bucket, self._key(final))
         self.client.delete_object(Bucket=self.bucket, Key=self._key(staging))
         return final
 
-    def discard(self, staging: str) -> None:
-        self.client.delete_object(Bucket=self.bucket, Key=self._key(staging))  # no error when absent
+    def install(self, local: Path, path: str) -> str:
+        """Replace the lake file `path` with the local file `local`: upload to a staging key, then the same
+        server-side copy as `publish` (readers see the old object or the new one, never a partial one)."""
+        relative = self._key(path)[len(self.prefix) + 1 if self.prefix else 0:]
+        staging = self._uri(".staging", f"{relative}.{uuid.uuid4().hex[:12]}")
+        try:
+            self.client.upload_file(str(local), self.bucket, self._key(staging))
+            final = self._promote(staging, path)
+        except BaseException:
+            self.discard(staging)
+            raise
+        Path(local).unlink(missing_ok=True)
+        return final
+
+    def discard(self, staging: str | Path) -> None:
+        """Remove a staging object, or a local scratch file (callers discard both kinds the same way)."""
+        if isinstance(staging, Path):
+            staging.unlink(missing_ok=True)
+        else:
+            self.client.delete_object(Bucket=self.bucket, Key=self._key(staging))  # no error when absent
+
+    def remove(self, path: str) -> None:
+        self.client.delete_object(Bucket=self.bucket, Key=self._key(path))
+        for cached in self._cached_versions(self._key(path)):
+            cached.unlink(missing_ok=True)
+
+    def glob(self, schema: str, pattern: str) -> list[str]:
+        start = self._key(self._uri(schema)) + "/"
+        names = [item["Key"][len(start):]
+                 for page in self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=start)
+                 for item in page.get("Contents", [])]
+        return sorted(self.file_path(schema, n) for n in names
+                      if "/" not in n and not n.startswith(".") and fnmatch.fnmatchcase(n, pattern))
 
     def size(self, path: str) -> int:
         return int(self.client.head_object(Bucket=self.bucket, Key=self._key(path))["ContentLength"])
@@ -161,14 +253,78 @@ class S3Lake:
         listed = self.client.list_objects_v2(Bucket=self.bucket, Prefix=self._key(path), MaxKeys=1)
         return any(o["Key"] == self._key(path) for o in listed.get("Contents", []))
 
+    # --- local copies: the lake object is the source of truth, local files are caches of it ------------------
+
+    @property
+    def cache_dir(self) -> Path:
+        return self.local_dir / "cache"
+
+    def _cached_versions(self, key: str) -> list[Path]:
+        folder = self.cache_dir / self.bucket / os.path.dirname(key)
+        name = os.path.basename(key)
+        return list(folder.glob(f"{glob.escape(name)}.*")) if folder.is_dir() else []
+
+    def fetch(self, path: str) -> Path:
+        """A local copy of a lake file for readers that need a path (FAISS, numpy), downloaded once per
+        content: cached under `local_dir/cache` by key, ETag and size, so loading an unchanged index
+        again costs one HEAD request."""
+        key = self._key(path)
+        head = self.client.head_object(Bucket=self.bucket, Key=key)
+        etag, size = head["ETag"].strip('"'), int(head["ContentLength"])
+        target = self.cache_dir / self.bucket / f"{key}.{etag}-{size}"
+        if target.is_file() and target.stat().st_size == size:
+            return target
+        target.parent.mkdir(parents=True, exist_ok=True)
+        partial = target.parent / f".{target.name}.{uuid.uuid4().hex[:8]}.part"
+        try:
+            self._download(key, etag, size, partial)
+            os.replace(partial, target)  # a failed download never leaves a truncated file under its name
+        finally:
+            partial.unlink(missing_ok=True)
+        for stale in self._cached_versions(key):  # earlier contents of the same key
+            if stale != target:
+                stale.unlink(missing_ok=True)
+        return target
+
+    def _download(self, key: str, etag: str, size: int, out: Path) -> None:
+        # One GET with If-Match: the bytes are those of the object we looked at, even if the key is
+        # republished meanwhile (a managed multi-part download could mix ranges of two versions).
+        body = self.client.get_object(Bucket=self.bucket, Key=key, IfMatch=etag)["Body"]
+        with out.open("wb") as sink:
+            shutil.copyfileobj(body, sink, length=8 << 20)
+        if out.stat().st_size != size:
+            raise OSError(f"s3://{self.bucket}/{key}: downloaded {out.stat().st_size} bytes, S3 lists {size}")
+
+    @contextmanager
+    def local_copy(self, path: str, stable: bool = False) -> Iterator[Path]:
+        """A private local copy of a lake file for the block (pyarrow readers of tables), removed afterwards;
+        always stable (one If-Match GET). Not cached: tables are large and change with every run."""
+        key = self._key(path)
+        head = self.client.head_object(Bucket=self.bucket, Key=key)
+        copy = self.scratch_path(os.path.dirname(key) or "_", os.path.basename(key), suffix=".copy")
+        try:
+            self._download(key, head["ETag"].strip('"'), int(head["ContentLength"]), copy)
+            yield copy
+        finally:
+            copy.unlink(missing_ok=True)
+
+    @contextmanager
+    def connect(self) -> Iterator[duckdb.DuckDBPyConnection]:
+        """An in-memory DuckDB that reads the lake's files through httpfs (no warehouse, no lock)."""
+        con = duckdb.connect(config=self.duckdb_config())
+        try:
+            self.configure(con)
+            yield con
+        finally:
+            con.close()
+
     @property
     def root(self) -> Path:
-        # Steps that still treat the lake as a directory (embedding tables read with pyarrow, FAISS index and
-        # CSR cache files beside them) must fail with this, not with an AttributeError deep inside.
+        # Everything in medgraph goes through the methods above; code that still treats the lake as a
+        # directory must fail with this, not with an AttributeError deep inside.
         raise LakeNotLocalError(
-            f"this step reads or writes files directly under the lake directory, and the lake is {self.uri}: "
-            "on S3 the UMLS tables, the dbt KG marts and the evaluation tables are supported; run the "
-            "embedding, text and model assets with a local lake (unset MEDGRAPH_LAKE) for now")
+            f"the lake is {self.uri}, not a directory: use the lake's methods (file_path, scratch_path, install, "
+            "fetch, local_copy, glob) instead of lake.root")
 
     @property
     def scratch_dir(self) -> Path:

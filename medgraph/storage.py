@@ -15,17 +15,21 @@ warehouse itself is always a local DuckDB file, whose views then point at
 from __future__ import annotations
 
 import os
+import shutil
 import time
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import duckdb
 
-from medgraph.s3 import S3Lake, S3Options, is_s3_uri
+from medgraph.s3 import S3Lake, S3Options, is_s3_uri, s3_access
+
+if TYPE_CHECKING:
+    from medgraph.settings import Settings
 
 # DuckDB allows one writing process per database file; other processes (e.g.
 # parallel Dagster steps) wait for the lock instead of failing outright.
@@ -42,7 +46,13 @@ def sql_literal(value: str) -> str:
 
 @dataclass(frozen=True)
 class Lake:
-    """Parquet files under a root directory: `<root>/<schema>/<table>.parquet`."""
+    """Parquet files under a root directory: `<root>/<schema>/<table>.parquet`.
+
+    Besides tables, a lake holds side files (a FAISS index, a CSR cache) as
+    `<root>/<schema>/<name>`. Every method here has an `S3Lake` counterpart, so
+    steps call these instead of touching the directory: on a local lake they
+    are plain file operations (renames, hard links), on S3 uploads and copies.
+    """
 
     root: Path
 
@@ -53,28 +63,82 @@ class Lake:
         return str(self.root)
 
     def table_path(self, schema: str, table: str) -> Path:
-        return self.root / schema / f"{table}.parquet"
+        return self.file_path(schema, f"{table}.parquet")
+
+    def file_path(self, schema: str, name: str) -> Path:
+        """Where a side file of the lake lives (the FAISS index beside its embedding table, ...)."""
+        return self.root / schema / name
 
     def staging_path(self, schema: str, table: str) -> Path:
         """A fresh temporary path beside the table, on the same filesystem (for an atomic rename)."""
-        path = self.root / schema / f".{table}.{uuid.uuid4().hex[:12]}.tmp.parquet"
+        return self.scratch_path(schema, table)
+
+    def scratch_path(self, schema: str, name: str, suffix: str = ".parquet") -> Path:
+        """A fresh temporary local file for Python writers (pyarrow, FAISS, numpy) and intermediate results.
+
+        Here it is the staging path beside the table, so `install` is a rename; on S3 it is on local disk."""
+        path = self.root / schema / f".{name}.{uuid.uuid4().hex[:12]}.tmp{suffix}"
         path.parent.mkdir(parents=True, exist_ok=True)
         return path
 
     def publish(self, staging: Path, schema: str, table: str) -> Path:
         """Atomically replace the table's file with `staging`."""
-        final = self.table_path(schema, table)
-        os.replace(staging, final)
-        return final
+        return self.install(staging, self.table_path(schema, table))
+
+    def install(self, local: Path, path: Path) -> Path:
+        """Atomically replace the lake file `path` with the local file `local` (from `scratch_path`)."""
+        os.replace(local, path)
+        return path
 
     def discard(self, staging: Path) -> None:
         staging.unlink(missing_ok=True)
+
+    def remove(self, path: Path) -> None:
+        """Delete a lake file (an index version that is no longer current); no error when absent."""
+        Path(path).unlink(missing_ok=True)
+
+    def glob(self, schema: str, pattern: str) -> list[Path]:
+        """Lake files of `schema` whose names match the shell pattern (hidden staging files never match)."""
+        return sorted(p for p in (self.root / schema).glob(pattern) if not p.name.startswith("."))
 
     def size(self, path: Path) -> int:
         return Path(path).stat().st_size
 
     def exists(self, path: Path) -> bool:
         return Path(path).exists()
+
+    def fetch(self, path: Path) -> Path:
+        """A local file with the lake file's content, for readers that need a path (FAISS, numpy): itself here."""
+        return Path(path)
+
+    @contextmanager
+    def local_copy(self, path: Path, stable: bool = False) -> Iterator[Path]:
+        """The lake file as a local path for the duration of the block (pyarrow readers).
+
+        `stable`: the content must not change under the reader, even if the file is
+        republished meanwhile: a hard link (a publish renames over the path, not this file)."""
+        if not stable:
+            yield Path(path)
+            return
+        path = Path(path)
+        snapshot = path.parent / f".{path.stem}.snapshot.{uuid.uuid4().hex[:12]}.tmp{path.suffix}"
+        try:
+            os.link(path, snapshot)
+        except OSError:  # a filesystem without hard links
+            shutil.copyfile(path, snapshot)
+        try:
+            yield snapshot
+        finally:
+            snapshot.unlink(missing_ok=True)
+
+    @contextmanager
+    def connect(self) -> Iterator[duckdb.DuckDBPyConnection]:
+        """An in-memory DuckDB that can read the lake's files (no warehouse, no lock)."""
+        con = duckdb.connect()
+        try:
+            yield con
+        finally:
+            con.close()
 
     @property
     def scratch_dir(self) -> Path:
@@ -96,6 +160,17 @@ def open_lake(location: str | Path, local_dir: Path, s3_client: Any = None,
     if s3_client is None or s3_options is None:
         raise ValueError(f"the lake {location} is on S3: configure S3 access (endpoint, region, credentials)")
     return S3Lake(str(location).rstrip("/"), s3_client, s3_options, local_dir)
+
+
+def open_warehouse(settings: Settings, memory_limit: str = "2GB", threads: int | None = None) -> Warehouse:
+    """The configured warehouse and lake (MEDGRAPH_HOME, MEDGRAPH_LAKE, MEDGRAPH_S3_ENDPOINT_URL,
+    MEDGRAPH_AWS_SECRET_ID) outside Dagster, laid out exactly as `WarehouseResource.open` lays it out,
+    so the CLI and the launchers see what the assets wrote."""
+    location = settings.lake_location
+    client, options = s3_access(settings.s3_endpoint_url, settings.aws_secret_id) if is_s3_uri(location) \
+        else (None, None)
+    lake = open_lake(location, settings.home / "lake_local", client, options)
+    return Warehouse(settings.warehouse_path, lake, memory_limit, threads)
 
 
 @dataclass(frozen=True)

@@ -18,9 +18,7 @@ import botocore.exceptions
 from dagster_aws.s3 import S3Resource
 from dagster_aws.secretsmanager import SecretsManagerResource
 
-from medgraph.s3 import S3Options
-
-_AWS_HOST_SUFFIXES = (".amazonaws.com", ".amazonaws.com.cn")
+from medgraph.s3 import S3Options, options_for
 
 
 class SecretValueError(ValueError):
@@ -82,14 +80,7 @@ class LakeS3Resource(S3Resource):
         """The boto3 client and the same endpoint, region and (resolved) credentials for DuckDB."""
         session = self._session()
         client = self._client(session)
-        credentials = session.get_credentials()
-        frozen = credentials.get_frozen_credentials() if credentials else None
-        endpoint = client.meta.endpoint_url
-        custom = endpoint if not endpoint.split("://", 1)[-1].split("/", 1)[0].endswith(_AWS_HOST_SUFFIXES) else None
-        options = S3Options(region=client.meta.region_name or "us-east-1", endpoint_url=custom,
-                            key_id=frozen.access_key if frozen else None, secret=frozen.secret_key if frozen else None,
-                            session_token=frozen.token if frozen else None)
-        return client, options
+        return client, options_for(client, session)
 
 
 def lake_s3_resource(endpoint_url: str | None = None, credentials_secret_id: str | None = None) -> LakeS3Resource:

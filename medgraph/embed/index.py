@@ -12,6 +12,11 @@ metadata). The version is a short hash of the table's set of
 (id, content_hash, encoder_id), so an unchanged table finds its index again
 and any change gets a new file; older versions are removed once the new one is
 published.
+
+On an S3 lake the objects are the source of truth: a build reads a private
+download of the table and uploads both files (staging key, then copy, like
+tables); a load reads them from a local cache keyed by ETag and size
+(`S3Lake.fetch`), so a process loads an unchanged index without downloading it again.
 """
 
 from __future__ import annotations
@@ -20,11 +25,8 @@ import hashlib
 import json
 import logging
 import os
-import shutil
 import time
-import uuid
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -36,6 +38,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from medgraph.embed.tables import SCHEMA
+from medgraph.s3 import S3Lake
 from medgraph.storage import Lake, sql_literal
 
 log = logging.getLogger(__name__)
@@ -88,13 +91,14 @@ def _new_index(kind: IndexKind, dim: int, params: IndexParams) -> faiss.Index:
     return index
 
 
-def table_version(parquet: Path) -> tuple[str, int]:
+def table_version(parquet: Path | str, lake: Lake | S3Lake | None = None) -> tuple[str, int]:
     """(short hash of the set of (id, content_hash, encoder_id), rows) of an embedding table file.
 
     Order-independent (xor of per-row md5) and reads three narrow columns only,
-    so checking whether an index is current costs a fraction of a second.
+    so checking whether an index is current costs a fraction of a second (on S3
+    too: DuckDB's httpfs fetches just those column chunks; `lake` gives it access).
     """
-    with duckdb.connect() as con:
+    with (lake.connect() if lake is not None else duckdb.connect()) as con:
         rows, digest = con.execute(
             "SELECT count(*), bit_xor(md5_number(CAST(id AS VARCHAR) || '|' || content_hash || '|' || encoder_id)) "
             f"FROM read_parquet({sql_literal(str(parquet))})"
@@ -102,31 +106,15 @@ def table_version(parquet: Path) -> tuple[str, int]:
     return hashlib.sha256(f"{rows}:{digest}".encode()).hexdigest()[:12], rows
 
 
-def _table_path(lake: Lake, target: str) -> Path:
+def _table_path(lake: Lake | S3Lake, target: str) -> Path | str:
     path = lake.table_path(SCHEMA, target)
-    if not path.exists():
+    if not lake.exists(path):
         raise IndexNotFoundError(f"no embedding table at {path}: materialize {SCHEMA}.{target} first")
     return path
 
 
-def _paths(lake: Lake, target: str, version: str) -> tuple[Path, Path]:
-    folder = lake.root / SCHEMA
-    return folder / f"{target}.{version}.faiss", folder / f"{target}.{version}.ids.parquet"
-
-
-@contextmanager
-def _snapshot(lake: Lake, target: str) -> Iterator[Path]:
-    """A hard link to the table's current file: a concurrent publish renames over the path, not this file."""
-    current = _table_path(lake, target)
-    snapshot = lake.staging_path(SCHEMA, f"{target}.snapshot")
-    try:
-        os.link(current, snapshot)
-    except OSError:  # a filesystem without hard links
-        shutil.copyfile(current, snapshot)
-    try:
-        yield snapshot
-    finally:
-        lake.discard(snapshot)
+def _paths(lake: Lake | S3Lake, target: str, version: str) -> tuple[Path | str, Path | str]:
+    return lake.file_path(SCHEMA, f"{target}.{version}.faiss"), lake.file_path(SCHEMA, f"{target}.{version}.ids.parquet")
 
 
 class VectorIndex:
@@ -159,12 +147,13 @@ class VectorIndex:
         return cls(index, ids, kind, params=params)
 
     @classmethod
-    def build(cls, lake: Lake, target: str, params: IndexParams = IndexParams(),
+    def build(cls, lake: Lake | S3Lake, target: str, params: IndexParams = IndexParams(),
               threads: int | None = None) -> VectorIndex:
         """Build the index of `embeddings.<target>`, publish it as a new version and drop older ones."""
         set_faiss_threads(threads)
         started = time.perf_counter()
-        with _snapshot(lake, target) as snapshot:
+        # A stable copy: a concurrent publish of the table must not change the rows under the build.
+        with lake.local_copy(_table_path(lake, target), stable=True) as snapshot:
             version, rows = table_version(snapshot)
             source = pq.ParquetFile(snapshot)
             dim = source.schema_arrow.field("embedding").type.list_size
@@ -182,39 +171,39 @@ class VectorIndex:
                  SCHEMA, target, kind, rows, time.perf_counter() - started, version)
         return built
 
-    def _publish(self, lake: Lake, target: str, id_column: pa.Array) -> None:
+    def _publish(self, lake: Lake | S3Lake, target: str, id_column: pa.Array) -> None:
         """Write ids then the FAISS file (its presence marks a complete version), then remove old versions."""
         index_path, ids_path = _paths(lake, target, self.version)
         metadata = {"version": self.version, "rows": len(self), "dim": self.dim,
                     **self.params.build_key(len(self)), "ef_search": self.params.ef_search}
-        staged_ids = lake.staging_path(SCHEMA, f"{target}.{self.version}.ids")
-        staged_index = lake.root / SCHEMA / f".{target}.{self.version}.{uuid.uuid4().hex[:12]}.tmp.faiss"
+        staged_ids = lake.scratch_path(SCHEMA, f"{target}.{self.version}.ids")
+        staged_index = lake.scratch_path(SCHEMA, f"{target}.{self.version}", suffix=".faiss")
         try:
             table = pa.table({"id": id_column}).replace_schema_metadata({_METADATA_KEY: json.dumps(metadata)})
             pq.write_table(table, staged_ids, compression="zstd")
             faiss.write_index(self.index, str(staged_index))
-            os.replace(staged_ids, ids_path)
-            os.replace(staged_index, index_path)
+            lake.install(staged_ids, ids_path)
+            lake.install(staged_index, index_path)
         finally:
             lake.discard(staged_ids)
             lake.discard(staged_index)
-        for old in [*index_path.parent.glob(f"{target}.*.faiss"), *index_path.parent.glob(f"{target}.*.ids.parquet")]:
+        for old in [*lake.glob(SCHEMA, f"{target}.*.faiss"), *lake.glob(SCHEMA, f"{target}.*.ids.parquet")]:
             if old not in (index_path, ids_path):
-                old.unlink(missing_ok=True)
+                lake.remove(old)
 
     @classmethod
-    def load(cls, lake: Lake, target: str, version: str | None = None, *,
+    def load(cls, lake: Lake | S3Lake, target: str, version: str | None = None, *,
              ef_search: int | None = None, threads: int | None = None) -> VectorIndex:
         """The published index of `embeddings.<target>`: the version matching the table unless `version` says."""
         set_faiss_threads(threads)
         if version is None:
-            version, _ = table_version(_table_path(lake, target))
+            version, _ = table_version(_table_path(lake, target), lake)
         index_path, ids_path = _paths(lake, target, version)
-        if not index_path.exists() or not ids_path.exists():
+        if not lake.exists(index_path) or not lake.exists(ids_path):
             raise IndexNotFoundError(f"no index version {version} of {SCHEMA}.{target} at {index_path}")
-        ids_table = pq.read_table(ids_path)
+        ids_table = pq.read_table(lake.fetch(ids_path))
         stored = json.loads(ids_table.schema.metadata[_METADATA_KEY])
-        index = faiss.read_index(str(index_path))
+        index = faiss.read_index(str(lake.fetch(index_path)))
         params = IndexParams(m=stored.get("m", IndexParams.m), ef_construction=stored.get("ef_construction",
                              IndexParams.ef_construction), ef_search=ef_search or stored["ef_search"])
         if stored["kind"] == "hnsw":
@@ -222,13 +211,13 @@ class VectorIndex:
         return cls(index, ids_table.column("id").to_pylist(), stored["kind"], version, params)
 
     @classmethod
-    def build_or_load(cls, lake: Lake, target: str, params: IndexParams = IndexParams(),
+    def build_or_load(cls, lake: Lake | S3Lake, target: str, params: IndexParams = IndexParams(),
                       threads: int | None = None) -> VectorIndex:
         """The current index if one was built from this exact table with these parameters, else a new build."""
-        version, rows = table_version(_table_path(lake, target))
+        version, rows = table_version(_table_path(lake, target), lake)
         index_path, ids_path = _paths(lake, target, version)
-        if index_path.exists() and ids_path.exists():
-            stored = json.loads(pq.read_schema(ids_path).metadata[_METADATA_KEY])
+        if lake.exists(index_path) and lake.exists(ids_path):
+            stored = json.loads(pq.read_schema(lake.fetch(ids_path)).metadata[_METADATA_KEY])
             if all(stored.get(key) == value for key, value in params.build_key(rows).items()):
                 return cls.load(lake, target, version, ef_search=params.ef_search, threads=threads)
         return cls.build(lake, target, params, threads)

@@ -5,9 +5,11 @@ sha256 of the text. A run snapshots the source query to a staging Parquet
 file (so the warehouse is locked for seconds, not for the hours a large
 embedding can take), finds in DuckDB which rows the current table already
 holds, embeds only the new or changed texts in streamed batches, and writes
-reused plus new rows to a staging file that is renamed over the table. A
-failure at any point leaves the previous table as it was and removes the
-staging files.
+reused plus new rows to a staging file that is renamed over the table (on an
+S3 lake: uploaded and copied over the table's key). A failure at any point
+leaves the previous table as it was and removes the staging files. Snapshot,
+new vectors and the new table are written on local disk in both cases: pyarrow
+writes them, and only the finished table needs to cross the network.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import pyarrow.parquet as pq
 from tqdm.auto import tqdm
 
 from medgraph.embed.encoder import Encoder
+from medgraph.s3 import S3Lake
 from medgraph.storage import Lake, Warehouse, quote_ident, sql_literal
 
 log = logging.getLogger(__name__)
@@ -184,11 +187,11 @@ def embed_table(
     (memory stays bounded by it); the model's own batch size is the encoder's.
     """
     started = time.perf_counter()
-    lake: Lake = warehouse.lake
+    lake: Lake | S3Lake = warehouse.lake
     current = lake.table_path(SCHEMA, target)
-    snapshot = lake.staging_path(SCHEMA, f"{target}.source")
-    new_vectors = lake.staging_path(SCHEMA, f"{target}.new")
-    staging = lake.staging_path(SCHEMA, target)
+    snapshot = lake.scratch_path(SCHEMA, f"{target}.source")
+    new_vectors = lake.scratch_path(SCHEMA, f"{target}.new")
+    staging = lake.scratch_path(SCHEMA, target)
     encoder_id = sql_literal(encoder.encoder_id)
     try:
         _snapshot_source(warehouse, source_sql, id_column, text_column, snapshot)
@@ -199,7 +202,7 @@ def embed_table(
             if null_ids or distinct != rows:
                 raise ValueError(f"{target}: {id_column} must be unique and not null in the source query "
                                  f"({rows - distinct} duplicate, {null_ids} null)")
-            if current.exists():
+            if lake.exists(current):
                 con.execute(f"CREATE VIEW old AS SELECT * FROM read_parquet({sql_literal(str(current))})")
             else:
                 con.execute("CREATE VIEW old AS SELECT id, content_hash, '' AS encoder_id, "
@@ -208,7 +211,7 @@ def embed_table(
             con.execute(f"CREATE VIEW reusable AS SELECT o.* FROM old AS o SEMI JOIN src AS s "
                         f"ON o.id = s.id AND o.content_hash = s.content_hash WHERE o.encoder_id = {encoder_id}")
             donors = [lake.table_path(SCHEMA, other) for other in reuse_from
-                      if other != target and lake.table_path(SCHEMA, other).exists()]
+                      if other != target and lake.exists(lake.table_path(SCHEMA, other))]
             if donors:
                 files = ", ".join(sql_literal(str(p)) for p in donors)
                 con.execute(f"CREATE VIEW donors AS SELECT content_hash, any_value(embedding) AS embedding "
@@ -233,7 +236,7 @@ def embed_table(
             written = _write_table(con, f"SELECT {columns} FROM ({' UNION ALL '.join(parts)})", encoder.dim, staging)
         if written != rows:
             raise RuntimeError(f"{target}: wrote {written} rows, the source has {rows}")
-        final = lake.publish(staging, SCHEMA, target)
+        final = lake.install(staging, current)
     finally:
         for path in (snapshot, new_vectors, staging):
             lake.discard(path)
@@ -255,9 +258,10 @@ def embed_source(warehouse: Warehouse, target: str, encoder: Encoder, **options:
                        id_column=source.id_column, text_column=source.text_column, **options)
 
 
-def read_embeddings(lake: Lake, target: str) -> tuple[np.ndarray, np.ndarray]:
-    """(ids, float32 vectors) of a whole embedding table: for small tables and tests."""
-    table = pq.read_table(lake.table_path(SCHEMA, target), columns=["id", "embedding"])
+def read_embeddings(lake: Lake | S3Lake, target: str) -> tuple[np.ndarray, np.ndarray]:
+    """(ids, float32 vectors) of a whole embedding table: for small tables, GAT features and tests."""
+    with lake.local_copy(lake.table_path(SCHEMA, target)) as path:
+        table = pq.read_table(path, columns=["id", "embedding"])
     embedding = table.column("embedding").combine_chunks()
     vectors = embedding.flatten().to_numpy(zero_copy_only=False).reshape(-1, embedding.type.list_size)
     return table.column("id").to_numpy(zero_copy_only=False), vectors

@@ -33,7 +33,8 @@ from medgraph.embed.tables import read_embeddings
 from medgraph.gnn.model import GatModel
 from medgraph.kg.graph import KnowledgeGraph, Triple
 from medgraph.llm.base import ChatModel, Message, system, user
-from medgraph.storage import Lake, Warehouse
+from medgraph.s3 import S3Lake
+from medgraph.storage import Lake, Warehouse, open_warehouse
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +67,7 @@ class HiimProjector(nn.Module):
 class NodeFeatures:
     """Node feature vectors by CUI, from the embedding table the GAT was trained on."""
 
-    def __init__(self, lake: Lake, table: str):
+    def __init__(self, lake: Lake | S3Lake, table: str):
         ids, vectors = read_embeddings(lake, table)
         self.table = table
         self.row = {str(cui): i for i, cui in enumerate(ids)}
@@ -322,5 +323,5 @@ def load_champion_graph_tokenizer(llm: ChatModel, warehouse: Warehouse | None = 
         log.info("HIIM off: the champion projector speaks to %s, not %s", projector.llm_name, llm.name)
         return None
     gat = mlflow.pytorch.load_model(projector.gat_model_uri, map_location="cpu")
-    warehouse = warehouse or Warehouse(settings.warehouse_path, Lake(settings.lake_root))
+    warehouse = warehouse or open_warehouse(settings)
     return GraphTokenizer(gat, projector.to(llm.model.device), NodeFeatures(warehouse.lake, gat.feature_table))

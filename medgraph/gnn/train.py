@@ -40,6 +40,7 @@ from medgraph.embed.tables import read_embeddings
 from medgraph.gnn.model import GatModel
 from medgraph.gnn.sampling import CsrGraph, NeighborSampler
 from medgraph.kg.csr import GraphIndex, build_graph_index
+from medgraph.s3 import S3Lake
 from medgraph.storage import Lake, Warehouse
 
 log = logging.getLogger(__name__)
@@ -233,10 +234,10 @@ def prepare_graph(index: GraphIndex, config: GatConfig) -> PreparedGraph:
 FEATURE_TABLE = "node_description_embeddings"  # relation-free node texts: features that cannot leak edges
 
 
-def node_features(lake: Lake, index: GraphIndex, table: str = FEATURE_TABLE) -> Tensor:
+def node_features(lake: Lake | S3Lake, index: GraphIndex, table: str = FEATURE_TABLE) -> Tensor:
     """(num_nodes, dim) float32 features aligned with the index; zeros for nodes without an embedding."""
     path = lake.table_path("embeddings", table)
-    if not path.exists():
+    if not lake.exists(path):
         raise FileNotFoundError(f"no node embeddings at {path}: materialize `{table}` before the GAT")
     ids, vectors = read_embeddings(lake, table)
     positions = index.positions([str(i) for i in ids])

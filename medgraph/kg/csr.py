@@ -4,7 +4,9 @@ DuckDB answers a one-hop query for one concept in ~2 ms through zone maps, but
 an agent step asks for dozens at once and GAT training samples millions of
 neighbourhoods; both want O(degree) array slices. The index holds integer
 arrays only (about 10 bytes per edge: 0.5 GB for a full UMLS release with 50M
-edges) and is cached as a versioned `.npz` file beside the lake tables.
+edges) and is cached as a versioned `.npz` file beside the lake tables
+(`kg/graph_index.<version>.npz`; on an S3 lake an object, read through the
+lake's local ETag-keyed cache).
 """
 
 from __future__ import annotations
@@ -18,7 +20,8 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
-from medgraph.storage import Warehouse
+from medgraph.s3 import S3Lake
+from medgraph.storage import Lake, Warehouse
 
 log = logging.getLogger(__name__)
 
@@ -89,13 +92,13 @@ def _edges_fingerprint(con) -> str:
 
 def build_graph_index(warehouse: Warehouse, cache: bool = True) -> GraphIndex:
     """The CSR of the current `kg.kg_edges`, loaded from its cache file when still current."""
-    cache_dir = warehouse.lake.root / "kg"
+    lake = warehouse.lake
     with warehouse.connect(read_only=True) as con:
         version = _edges_fingerprint(con)
-        cached = cache_dir / f"graph_index.{version}.npz"
-        if cache and cached.exists():
+        cached = lake.file_path(_CACHE_SCHEMA, f"graph_index.{version}.npz")
+        if cache and lake.exists(cached):
             names = con.execute("SELECT preferred_name FROM kg.kg_nodes ORDER BY cui").fetch_arrow_table()
-            return _load(cached, names.column(0).combine_chunks(), version)
+            return _load(lake.fetch(cached), names.column(0).combine_chunks(), version)
         started = time.perf_counter()
         nodes = con.execute("SELECT cui, preferred_name FROM kg.kg_nodes ORDER BY cui").fetch_arrow_table()
         relations = con.execute(f"WITH {_CODES_SQL} SELECT rel, rela, relation FROM codes ORDER BY code").fetchall()
@@ -124,20 +127,26 @@ def build_graph_index(warehouse: Warehouse, cache: bool = True) -> GraphIndex:
     log.info("graph index: %d nodes, %d edges in %.1fs", index.num_nodes, index.num_edges,
              time.perf_counter() - started)
     if cache:
-        _save(index, cache_dir, cached)
+        _save(index, lake, cached)
     return index
 
 
-def _save(index: GraphIndex, cache_dir: Path, path: Path) -> None:
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    staging = path.with_suffix(".tmp.npz")
+_CACHE_SCHEMA = "kg"
+
+
+def _save(index: GraphIndex, lake: Lake | S3Lake, path: Path | str) -> None:
+    """Write the cache file locally, install it in the lake atomically, then drop older versions."""
+    staging = lake.scratch_path(_CACHE_SCHEMA, "graph_index", suffix=".npz")
     relations = np.asarray([f"{rel}\t{rela or ''}\t{relation}" for rel, rela, relation in index.relations])
-    np.savez(staging, cuis=index.cuis, indptr=index.indptr, dst=index.dst, relation=index.relation,
-             relations=relations)
-    staging.replace(path)
-    for old in cache_dir.glob("graph_index.*.npz"):
+    try:
+        np.savez(staging, cuis=index.cuis, indptr=index.indptr, dst=index.dst, relation=index.relation,
+                 relations=relations)
+        lake.install(staging, path)
+    finally:
+        lake.discard(staging)
+    for old in lake.glob(_CACHE_SCHEMA, "graph_index.*.npz"):
         if old != path:
-            old.unlink(missing_ok=True)
+            lake.remove(old)
 
 
 def _load(path: Path, names: pa.Array, version: str) -> GraphIndex:

@@ -871,10 +871,10 @@ def _publish_table(items: list[KgQaItem], warehouse: Warehouse) -> Path:
                                  list(value) if isinstance(value, tuple) else value)
     table = pa.table(columns, schema=_TABLE_SCHEMA)
     lake = warehouse.lake
-    staging = lake.staging_path(SCHEMA, TABLE)
+    staging = lake.scratch_path(SCHEMA, TABLE)  # pyarrow writes a local file; `install` uploads it on S3
     try:
         pq.write_table(table, staging, compression="zstd")
-        final = lake.publish(staging, SCHEMA, TABLE)
+        final = lake.install(staging, lake.table_path(SCHEMA, TABLE))
     except BaseException:
         lake.discard(staging)
         raise

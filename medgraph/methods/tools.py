@@ -141,8 +141,9 @@ class KnowledgeTools:
 
     def _stored_edge_vectors(self, edge_ids: list[str]) -> dict[str, np.ndarray]:
         """Vectors of `embeddings.edge_embeddings` made by this encoder, for the ids it holds."""
-        path = self.retriever.warehouse.lake.table_path("embeddings", "edge_embeddings")
-        if not path.is_file():
+        lake = self.retriever.warehouse.lake
+        path = lake.table_path("embeddings", "edge_embeddings")
+        if not lake.exists(path):  # the graph's connection reads it in place (a local file or s3:// via httpfs)
             return {}
         rows = self.retriever.graph.con.execute(
             "SELECT id, embedding FROM read_parquet($path) "

@@ -37,13 +37,13 @@ def main(argv: list[str] | None = None) -> int:
     from medgraph.retrieval import Retriever
     from medgraph.rl.sft import load_qa_items
     from medgraph.settings import load_settings
-    from medgraph.storage import Lake, Warehouse
+    from medgraph.storage import open_warehouse
 
     overrides = {k: v for k, v in {"steps": args.steps, "lora_r": args.lora_r,
                                    "rollout_server": args.rollout_server}.items() if v is not None}
     config = GrpoConfig.profile(args.profile, **overrides)
     settings = load_settings()
-    warehouse = Warehouse(settings.warehouse_path, Lake(settings.lake_root))
+    warehouse = open_warehouse(settings)
     with Retriever(warehouse, load_encoder(settings.encoder)) as retriever:
         env = GraphR1Env(retriever, config.graph_r1)
         train = load_qa_items(warehouse, "train")

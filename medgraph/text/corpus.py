@@ -153,7 +153,7 @@ def kg_documents(warehouse: Warehouse, batch_rows: int = 10_000) -> Iterator[Doc
     The table is copied out to a scratch Parquet file first, so the warehouse
     is not held open (blocking writers) while the documents are chunked.
     """
-    scratch = warehouse.lake.staging_path(SCHEMA, "kg_node_text")
+    scratch = warehouse.lake.scratch_path(SCHEMA, "kg_node_text")
     try:
         with warehouse.connect(read_only=True) as con:
             con.execute(f"COPY (SELECT cui, title, text FROM kg.kg_node_text) TO {sql_literal(str(scratch))} "
@@ -344,17 +344,19 @@ def build_corpus_chunks(
             yield from read_corpus_file(corpus)
 
     lake = warehouse.lake
-    staging = lake.staging_path(SCHEMA, TABLE)
+    # Written locally (pyarrow) and read locally by the warehouse, then installed: on S3 only the
+    # finished file crosses the network.
+    staging = lake.scratch_path(SCHEMA, TABLE)
     try:
         write_chunks(documents(), staging, encoder, chunk_tokens, overlap_tokens, stats)
         _check_unique_documents(staging, sources)
         stats.chunking_seconds = time.perf_counter() - started
         stats.index_seconds = _replace_table_and_index(warehouse, staging)
-        final = lake.publish(staging, SCHEMA, TABLE)
+        final = lake.install(staging, lake.table_path(SCHEMA, TABLE))
     except BaseException:
         lake.discard(staging)
         raise
-    stats.parquet_path, stats.parquet_bytes = str(final), final.stat().st_size
+    stats.parquet_path, stats.parquet_bytes = str(final), lake.size(final)
     stats.seconds = time.perf_counter() - started
     log.info("corpus_chunks: %d documents, %d chunks, %d tokens in %.1fs (index %.1fs)",
              stats.documents, stats.chunks, stats.tokens, stats.seconds, stats.index_seconds)

@@ -59,6 +59,7 @@ import duckdb
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from medgraph.s3 import S3Lake
 from medgraph.storage import Lake, Warehouse, quote_ident, sql_literal
 
 log = logging.getLogger(__name__)
@@ -362,15 +363,16 @@ class MentionStats:
         return metadata
 
 
-def read_chunks(lake: Lake, batch_rows: int = _BATCH_CHUNKS) -> Iterator[list[Chunk]]:
+def read_chunks(lake: Lake | S3Lake, batch_rows: int = _BATCH_CHUNKS) -> Iterator[list[Chunk]]:
     """Batches of the published corpus chunks, streamed from the lake (no warehouse lock held)."""
     path = lake.table_path(CHUNKS_SCHEMA, CHUNKS_TABLE)
-    if not path.is_file():
+    if not lake.exists(path):
         raise FileNotFoundError(f"{path} not found: build text.corpus_chunks first (medgraph.text.corpus)")
     columns = ["chunk_id", "title", "text"]
-    for batch in pq.ParquetFile(path).iter_batches(batch_size=batch_rows, columns=columns):
-        ids, titles, texts = (batch.column(i).to_pylist() for i in range(3))
-        yield [Chunk(c, t or "", x) for c, t, x in zip(ids, titles, texts)]
+    with lake.local_copy(path) as local:
+        for batch in pq.ParquetFile(local).iter_batches(batch_size=batch_rows, columns=columns):
+            ids, titles, texts = (batch.column(i).to_pylist() for i in range(3))
+            yield [Chunk(c, t or "", x) for c, t, x in zip(ids, titles, texts)]
 
 
 def _write_mentions(batches: Iterable[list[Chunk]], extract: MentionExtractor, path: Path,
@@ -416,7 +418,7 @@ def link_chunk_mentions(
         stats.names_indexed, stats.names_skipped = extract.names, dict(extract.skipped)
 
     lake = warehouse.lake
-    raw = lake.staging_path(SCHEMA, f"{MENTIONS_TABLE}_raw")
+    raw = lake.scratch_path(SCHEMA, f"{MENTIONS_TABLE}_raw")  # pyarrow writes it: always a local file
     staged = {table: lake.staging_path(SCHEMA, table) for table in (MENTIONS_TABLE, LINKS_TABLE)}
     try:
         matching_started = time.perf_counter()
