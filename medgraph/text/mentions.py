@@ -481,7 +481,9 @@ def _replace_tables(con: duckdb.DuckDBPyConnection, raw: Path, max_chunks_per_co
         )
         SELECT a.chunk_id AS chunk_a, b.chunk_id AS chunk_b,
                list(a.cui ORDER BY a.cui) AS shared_concepts,
-               sum(ln(1 + corpus.chunks / c.chunks)) AS weight
+               -- Summed in concept order: a parallel sum adds in any order, and the last bits of the
+               -- weight then differ from run to run (the same data must give the same table).
+               sum(ln(1 + corpus.chunks / c.chunks) ORDER BY a.cui) AS weight
         FROM chunk_concepts AS a
         JOIN concept_chunks AS c ON c.cui = a.cui AND c.chunks BETWEEN 2 AND {int(max_chunks_per_concept)}
         JOIN chunk_concepts AS b ON b.cui = a.cui AND a.chunk_id < b.chunk_id
