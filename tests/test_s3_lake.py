@@ -54,7 +54,7 @@ def materialize_graph(env: dict[str, str]) -> Warehouse:
 
     resources = build_resources(load_settings(env))
     # Short texts keep the two runs' encoding to seconds; the lake is what is under test, not the model.
-    resources["encoder"] = EncoderResource(spec="minilm", max_length=32, batch_size=128)
+    resources["encoder"] = EncoderResource(spec="minilm", max_length=16, batch_size=128)
     embedding_assets = [a for a in embeddings.embedding_assets
                         if a.key.path[-1] in ("node_embeddings", "chunk_embeddings")]
     result = dg.materialize([umls.umls_release, *umls.umls_tables, *umls.umls_checks, kg.kg_dbt_models,
@@ -88,6 +88,10 @@ class BothLakes:
 def both_lakes(tiny_release: Path, tmp_path_factory: pytest.TempPathFactory, s3_server: str) -> BothLakes:
     """The same assets materialized once with a local lake and once with an S3 lake (module scope:
     the tests below compare and exercise the two)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # small batches: two torch threads spin-wait on each other on a busy 2-core machine
     with pytest.MonkeyPatch.context() as monkeypatch:
         home = tmp_path_factory.mktemp("both_lakes")
         for name, value in {"AWS_ACCESS_KEY_ID": "testing-key-id", "AWS_SECRET_ACCESS_KEY": "testing-secret",
@@ -105,6 +109,7 @@ def both_lakes(tiny_release: Path, tmp_path_factory: pytest.TempPathFactory, s3_
         remote = materialize_graph({"MEDGRAPH_HOME": str(home / "s3"), "MEDGRAPH_UMLS_DIR": release_uri,
                                     "MEDGRAPH_PROFILE": "tiny", "MEDGRAPH_LAKE": f"s3://{bucket}/lake",
                                     "MEDGRAPH_S3_ENDPOINT_URL": s3_server})
+        torch.set_num_threads(threads)
         yield BothLakes(local, remote, s3, bucket, home / "s3")
 
 
@@ -208,7 +213,7 @@ def test_failed_embedding_write_on_s3_keeps_the_previous_table(both_lakes: BothL
         """A new encoder id (so every row is re-embedded) that fails on its second batch."""
 
         def __init__(self) -> None:
-            self.inner, self.calls = load_encoder("minilm", max_length=16, batch_size=128), 0
+            self.inner, self.calls = load_encoder("minilm", max_length=8, batch_size=128), 0
             self.dim, self.encoder_id = self.inner.dim, "failing-encoder"
 
         def encode(self, texts: list[str], kind: str = "document", **options: object) -> np.ndarray:
@@ -227,7 +232,7 @@ def test_failed_embedding_write_on_s3_keeps_the_previous_table(both_lakes: BothL
 
     monkeypatch.setattr(S3Lake, "install", failing_upload)
     with pytest.raises(ConnectionError):  # the asset's encoder: every vector is reused, the new file written
-        embed_source(remote, "node_embeddings", load_encoder("minilm", max_length=32, batch_size=128))
+        embed_source(remote, "node_embeddings", load_encoder("minilm", max_length=16, batch_size=128))
 
     assert s3.head_object(Bucket=bucket, Key=key)["ETag"] == before
     assert remote.count("embeddings.node_embeddings") == rows
