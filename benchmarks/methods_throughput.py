@@ -60,6 +60,7 @@ def main() -> None:
             serial = time.perf_counter() - started
             per_question[method] = batched / len(items)
             rows.append((method, 60 * len(items) / batched, 60 * len(items) / serial, serial / batched))
+            print(f"  {method}: batched {batched:.1f} s, serial {serial:.1f} s", flush=True)  # partial results survive
     for method, batched_qpm, serial_qpm, ratio in rows:
         relative = per_question[method] / per_question["rag"] if "rag" in per_question else float("nan")
         print(f"{method:<10} {batched_qpm:>14.1f} {serial_qpm:>13.1f} {ratio:>6.2f}x {relative:>16.2f}x")
