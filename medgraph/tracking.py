@@ -28,6 +28,16 @@ log = logging.getLogger(__name__)
 CHAMPION = "champion"
 
 
+# MLflow accepts only alphanumerics, `_ - . : /` and spaces in metric names; our statistics use labels such as
+# the routing class "KG+Text", which would fail the whole log_metrics batch.
+_UNSAFE_METRIC_CHARS = re.compile(r"[^A-Za-z0-9_\-. :/]")
+
+
+def metric_name(name: str) -> str:
+    """`name` with every character MLflow rejects replaced by `_` ("a2rag/routing_share/KG+Text" -> "..._KG_Text")."""
+    return _UNSAFE_METRIC_CHARS.sub("_", name)
+
+
 @dataclass(frozen=True)
 class Promotion:
     """The outcome of a champion gate."""

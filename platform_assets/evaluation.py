@@ -29,6 +29,7 @@ from medgraph.methods.registry import make_config, run_method
 from medgraph.methods.tools import KnowledgeTools
 from medgraph.retrieval import Retriever
 from medgraph.settings import load_settings
+from medgraph.tracking import metric_name
 from resources import EncoderResource, LlmResource, MlflowResource, WarehouseResource
 
 SETTINGS = load_settings()
@@ -145,9 +146,9 @@ def _eval_asset(name: str, methods: tuple[str, ...], model_deps: tuple[dg.AssetK
                                       batch_size=config.batch_size, graph_tokenizer=graph_tokenizer)
             summaries = summarize(results)
             for s in summaries:
-                mlflow.log_metrics({f"{s.method}/{k}": v for k, v in s.as_row().items()
+                mlflow.log_metrics({metric_name(f"{s.method}/{k}"): v for k, v in s.as_row().items()
                                     if isinstance(v, float | int) and not isinstance(v, bool)})
-                mlflow.log_metrics({f"{s.method}/{k}": v for k, v in s.extra.items()})
+                mlflow.log_metrics({metric_name(f"{s.method}/{k}"): v for k, v in s.extra.items()})
             mlflow.log_dict({"summaries": [s.as_row() for s in summaries], "lineage": lineage},
                             f"summary_{dataset}.json")
             run_id = run.info.run_id

@@ -8,7 +8,7 @@ import mlflow
 import pytest
 import torch
 
-from medgraph.tracking import Tracking
+from medgraph.tracking import Tracking, metric_name
 
 
 @pytest.fixture
@@ -61,3 +61,14 @@ def test_lower_is_better_metrics_and_missing_metric_errors(tracking: Tracking):
     assert tracking.promote_if_better("medgraph-test", second, "val_auc", higher_is_better=False).promoted
     with pytest.raises(KeyError, match="no metric 'val_loss'"):
         tracking.promote_if_better("medgraph-test", second, "val_loss")
+
+
+def test_statistic_labels_become_valid_metric_names(tracking: Tracking):
+    """The routing class "KG+Text" made MLflow reject the whole batch of an A2RAG evaluation (seen in `make demo`)."""
+    names = ["a2rag/routing_share/KG+Text", "a2rag/routing_share/KG-only", "sema-rag/rounds_share/2", "a2rag/p50 latency: s.1"]
+    with tracking.start_run("eval_a2rag"):
+        with pytest.raises(mlflow.exceptions.MlflowException, match="KG\\+Text"):
+            mlflow.log_metrics({names[0]: 0.5})
+        mlflow.log_metrics({metric_name(n): 0.5 for n in names})
+        logged = set(mlflow.get_run(mlflow.active_run().info.run_id).data.metrics)
+    assert logged == {"a2rag/routing_share/KG_Text", *names[1:]}
