@@ -6,7 +6,6 @@ name and first synonyms of each node text; full texts take minutes on 2 cores).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 
@@ -40,13 +39,7 @@ CONFIG = GatConfig.profile("tiny", epochs=3, steps_per_epoch=25, checkpoint_ever
                            eval_edges=400)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread() -> Iterator[None]:
-    # Two torch threads spin-wait on each other on a busy 2-core machine (several times slower).
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

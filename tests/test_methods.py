@@ -51,13 +51,7 @@ QUERY = "Which drug may treat hypertension?"
 CHEAP_A2RAG = {"iterations": 1, "max_triples_per_relation": 3, "top_n": 20}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread() -> Iterator[None]:
-    # Two torch threads spin-wait on each other on a busy 2-core machine (several times slower).
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

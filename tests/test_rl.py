@@ -52,13 +52,7 @@ MECHANISM = QaItem("test", "mechanism", "What is the mechanism of action of amlo
                    "Calcium Channel Antagonists", acceptable_answers=("Calcium Channel Antagonists",))
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread() -> Iterator[None]:
-    # Two torch threads spin-wait on each other on a busy 2-core machine (several times slower).
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")
