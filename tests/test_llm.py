@@ -116,6 +116,27 @@ def test_stop_string_ends_the_reply_before_it(smollm2: TransformersChatModel) ->
     assert stopped[1].text == "The capital of France is Paris."  # the other row runs to its own end
 
 
+def test_finished_rows_leave_the_decode_batch(smollm2: TransformersChatModel) -> None:
+    # Prompts are prefilled without padding (equal lengths together), then decoded as one batch that shrinks as
+    # rows end: the stopped row costs no further compute, and the others still match their one-at-a-time replies.
+    conversations = [[user("Say hello.")], PROMPTS[0], PROMPTS[0]]
+    batch_sizes: list[tuple[int, int]] = []
+    hook = smollm2.model.register_forward_pre_hook(
+        lambda module, args, kwargs: batch_sizes.append(tuple(kwargs["input_ids" if kwargs.get("input_ids") is not None
+                                                                  else "inputs_embeds"].shape[:2])),
+        with_kwargs=True)
+    try:
+        replies = smollm2.generate(conversations, GREEDY.but(stop=(",",)))
+    finally:
+        hook.remove()
+    prefill, decode = batch_sizes[:2], batch_sizes[2:]
+    assert sorted(size for size, _ in prefill) == [1, 2] and all(length > 1 for _, length in prefill)
+    assert all(length == 1 for _, length in decode)
+    assert decode[0][0] == 3 and decode[-1][0] == 2  # "Hello there" stopped after 2 tokens; the others went on
+    assert replies[0].text == "Hello there"
+    assert replies[1].text == replies[2].text == "The capital of France is Paris."
+
+
 def test_sampling_is_reproducible_with_a_seed(smollm2: TransformersChatModel) -> None:
     config = GenerationConfig(max_new_tokens=8, temperature=0.9, seed=7)
     first, second = (smollm2.generate([[user("Tell me a story.")]], config)[0] for _ in range(2))

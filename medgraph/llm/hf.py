@@ -1,11 +1,21 @@
 """In-process chat backend on transformers: batched generation and HIIM graph tokens.
 
 A batch of conversations is rendered with the model's chat template, sorted by
-length, cut into sub-batches of at most `max_batch_size`, left-padded and
-decoded in one `model.generate` call per sub-batch. Left padding keeps every
-row's last prompt token in the last column, which is where generation
-continues; position ids follow the attention mask, so a padded row computes
-the same thing as the row alone (up to float rounding).
+length and cut into sub-batches of at most `max_batch_size`. Each sub-batch is
+generated in two phases, because on a CPU they have opposite costs:
+
+- *prefill*: rows of equal length go through the model together, every other
+  row alone, so no prompt is padded. Prefill of a long retrieval prompt is
+  matrix-matrix work (batching it gains nothing) and padding it would force
+  the attention off its causal fast path onto one that materializes
+  batch x heads x L x L scores;
+- *decode*: the rows' KV caches are joined, left-padded, into one batch, and
+  each step is one forward over all unfinished rows. One decode step costs
+  about the same for 1 or 16 rows, which is where batching pays. A row leaves
+  the batch as soon as it ends (EOS, a stop string, its token budget), so one
+  long reply does not make the others compute to its length; padding columns
+  no remaining row needs are dropped with it. Position ids follow each row's
+  real length, so a row computes what it would alone (up to float rounding).
 
 Graph tokens (A2RAG's HIIM) enter as soft tokens: the rendered prompt is split
 at a marker placed at the end of the last user message, and the row's
@@ -22,8 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, StoppingCriteria, StoppingCriteriaList
-from transformers import GenerationConfig as HfGenerationConfig
+from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
 from medgraph.llm.base import ChatModel, Completion, Conversation, GenerationConfig, truncate_at_stop
 
@@ -57,25 +66,6 @@ def left_padded_position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
     models number positions from the first column, padding included.
     """
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
-
-
-class _StopOnStrings(StoppingCriteria):
-    """Ends a row once its generated text contains a stop string.
-
-    transformers' own `stop_strings` works, but precomputes a table over the whole
-    vocabulary on every `generate` call (6-10 s for SmolLM2's 49k tokens on a CPU);
-    decoding a short tail of each row per step costs microseconds.
-    """
-
-    def __init__(self, tokenizer: object, stop: Sequence[str], prompt_length: int):
-        self.tokenizer, self.stop, self.prompt_length = tokenizer, tuple(s for s in stop if s), prompt_length
-        self.window = max(len(s) for s in self.stop) + 4  # a stop string spans at most this many new tokens
-
-    def __call__(self, input_ids: torch.LongTensor, scores: object, **kwargs: object) -> torch.BoolTensor:
-        start = max(self.prompt_length, input_ids.shape[1] - self.window)
-        tails = self.tokenizer.batch_decode(input_ids[:, start:], skip_special_tokens=True)
-        done = [any(s in tail for s in self.stop) for tail in tails]
-        return torch.tensor(done, dtype=torch.bool, device=input_ids.device)
 
 
 @dataclass
@@ -202,17 +192,9 @@ class TransformersChatModel(ChatModel):
 
     # -- generation ------------------------------------------------------------------------------------
 
-    def _hf_config(self, config: GenerationConfig) -> HfGenerationConfig:
-        sampling = config.temperature > 0
-        options: dict[str, object] = {"max_new_tokens": config.max_new_tokens, "do_sample": sampling,
-                                      "pad_token_id": self.pad_id, "eos_token_id": self.eos_ids}
-        if sampling:  # plain temperature / nucleus sampling, as OpenAI-style servers do (no top-k)
-            options.update(temperature=config.temperature, top_p=config.top_p, top_k=0)
-        return HfGenerationConfig(**options)
-
     def generate(self, conversations: Sequence[Conversation], config: GenerationConfig | None = None,
                  graph_tokens: Sequence[torch.Tensor | None] | None = None) -> list[Completion]:
-        """Completions in input order; sub-batches of similar length, one `model.generate` each."""
+        """Completions in input order; sub-batches of similar length, each prefilled then decoded together."""
         config = config or GenerationConfig()
         started = time.perf_counter()
         rows = self._rows(conversations, graph_tokens)
@@ -229,34 +211,109 @@ class TransformersChatModel(ChatModel):
 
     @torch.inference_mode()
     def _generate_rows(self, rows: list[_Row], config: GenerationConfig) -> list[tuple[str, int, int, str]]:
-        if any(r.graph is not None for r in rows):
-            inputs_embeds, mask = self._embed_rows(rows)
-            inputs, prompt_length = {"inputs_embeds": inputs_embeds, "attention_mask": mask}, 0
-        else:
-            width = max(len(r) for r in rows)
-            ids = torch.tensor([[self.pad_id] * (width - len(r)) + r.before for r in rows], device=self.device)
-            mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows], device=self.device)
-            inputs, prompt_length = {"input_ids": ids, "attention_mask": mask}, width
-        stop = [s for s in config.stop if s]
-        criteria = StoppingCriteriaList([_StopOnStrings(self.tokenizer, stop, prompt_length)] if stop else [])
         devices = [torch.device(self.device).index or 0] if self.device.startswith("cuda") else []
         with torch.random.fork_rng(devices=devices):
             if config.temperature > 0 and config.seed is not None:
                 torch.manual_seed(config.seed)
-            out = self.model.generate(**inputs, generation_config=self._hf_config(config), stopping_criteria=criteria)
-        # With input_ids the output starts with the prompt; with inputs_embeds it holds only new tokens.
-        new_tokens = out[:, prompt_length:].tolist()
+            cache, mask, logits = self._prefill(rows)
+            new_tokens = self._decode(rows, cache, mask, logits, config)
         return [self._finish(row, tokens, config) for row, tokens in zip(rows, new_tokens, strict=True)]
 
+    def _prefill_groups(self, rows: list[_Row]) -> list[list[int]]:
+        """Which rows prefill together: equal lengths (GRPO's G copies of a prompt), all at once on a GPU."""
+        if self.device.startswith("cuda"):
+            return [list(range(len(rows)))]
+        groups: dict[int, list[int]] = {}
+        for i, row in enumerate(rows):
+            groups.setdefault(len(row), []).append(i)
+        return list(groups.values())
+
+    def _prefill(self, rows: list[_Row]) -> tuple[DynamicCache, torch.Tensor, torch.Tensor]:
+        """Run the prompts; the joined left-padded KV cache, its attention mask and each row's next-token logits."""
+        width = max(len(r) for r in rows)
+        layer_keys: list[list[torch.Tensor | None]] = []
+        layer_values: list[list[torch.Tensor | None]] = []
+        logits: list[torch.Tensor | None] = [None] * len(rows)
+        for group in self._prefill_groups(rows):
+            inputs_embeds, mask = self._embed_rows([rows[i] for i in group])
+            padded = bool((mask == 0).any())
+            cache = DynamicCache(config=self.model.config)
+            out = self.model(inputs_embeds=inputs_embeds, attention_mask=mask if padded else None,
+                             position_ids=left_padded_position_ids(mask), cache=cache, use_cache=True,
+                             logits_to_keep=1)
+            for layer, key_value in enumerate((layer.keys, layer.values) for layer in cache.layers):
+                if layer == len(layer_keys):
+                    layer_keys.append([None] * len(rows))
+                    layer_values.append([None] * len(rows))
+                for slot, i in enumerate(group):
+                    # Left-pad this group's cache to the sub-batch width (zeros, masked out below).
+                    pad = width - key_value[0].shape[-2]
+                    layer_keys[layer][i] = torch.nn.functional.pad(key_value[0][slot:slot + 1], (0, 0, pad, 0))
+                    layer_values[layer][i] = torch.nn.functional.pad(key_value[1][slot:slot + 1], (0, 0, pad, 0))
+            for slot, i in enumerate(group):
+                logits[i] = out.logits[slot, -1].float()
+        joined = DynamicCache([(torch.cat(k), torch.cat(v)) for k, v in zip(layer_keys, layer_values, strict=True)],
+                              config=self.model.config)
+        mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows], device=self.device)
+        return joined, mask, torch.stack(logits)
+
+    def _decode(self, rows: list[_Row], cache: DynamicCache, mask: torch.Tensor, logits: torch.Tensor,
+                config: GenerationConfig) -> list[list[int]]:
+        """Batched decode steps until every row has ended; finished rows leave the batch."""
+        stop = [s for s in config.stop if s]
+        window = max((len(s) for s in stop), default=0) + 4  # a stop string spans at most this many new tokens
+        eos = set(self.eos_ids)
+        tokens: list[list[int]] = [[] for _ in rows]
+        active = list(range(len(rows)))  # the row each batch slot holds
+        positions = torch.tensor([len(r) for r in rows], device=self.device)
+        while True:
+            chosen = self._next_tokens(logits, config)
+            keep = []
+            for slot, (row, token) in enumerate(zip(active, chosen.tolist(), strict=True)):
+                tokens[row].append(token)
+                ended = (token in eos or len(tokens[row]) >= config.max_new_tokens
+                         or (stop and any(s in self.tokenizer.decode(tokens[row][-window:], skip_special_tokens=True)
+                                          for s in stop)))
+                if not ended:
+                    keep.append(slot)
+            if not keep:
+                return tokens
+            if len(keep) < len(active):
+                active = [active[slot] for slot in keep]
+                index = torch.tensor(keep, device=self.device)
+                mask, positions, chosen = mask[index], positions[index], chosen[index]
+                lead = int(mask.any(0).long().argmax())  # leading columns that are padding in every remaining row
+                for layer in cache.layers:
+                    layer.keys, layer.values = layer.keys[index, :, lead:], layer.values[index, :, lead:]
+                mask = mask[:, lead:]
+            mask = torch.cat([mask, mask.new_ones(len(active), 1)], dim=1)
+            out = self.model(input_ids=chosen[:, None], attention_mask=mask, position_ids=positions[:, None],
+                             cache=cache, use_cache=True)
+            positions = positions + 1
+            logits = out.logits[:, -1].float()
+
+    @staticmethod
+    def _next_tokens(logits: torch.Tensor, config: GenerationConfig) -> torch.Tensor:
+        """Greedy, or temperature + nucleus sampling as OpenAI-style servers do (no top-k)."""
+        if config.temperature <= 0:
+            return logits.argmax(-1)
+        logits = logits / config.temperature
+        if config.top_p < 1.0:
+            sorted_logits, order = logits.sort(dim=-1)
+            cumulative = sorted_logits.softmax(-1).cumsum(-1)
+            drop = cumulative <= 1 - config.top_p
+            drop[:, -1] = False  # always keep the most likely token
+            logits = logits.masked_fill(drop.scatter(1, order, drop), float("-inf"))
+        return torch.multinomial(logits.softmax(-1), 1)[:, 0]
+
     def _finish(self, row: _Row, tokens: list[int], config: GenerationConfig) -> tuple[str, int, int, str]:
-        """Text, prompt tokens, completion tokens and finish reason of one row (padding excluded)."""
-        ends = set(self.eos_ids) | {self.pad_id}
-        end = next((k for k, t in enumerate(tokens) if t in ends), len(tokens))
+        """Text, prompt tokens, completion tokens and finish reason of one row."""
+        end = next((k for k, t in enumerate(tokens) if t in self.eos_ids), len(tokens))
         text, stopped = truncate_at_stop(self.tokenizer.decode(tokens[:end], skip_special_tokens=True), config.stop)
         if stopped:
             return text, len(row), end, "stop"
         if end < len(tokens):  # ended by an end-of-turn token, which counts as generated
-            return text, len(row), end + int(tokens[end] in self.eos_ids), "stop"
+            return text, len(row), end + 1, "stop"
         return text, len(row), end, "length"
 
     def close(self) -> None:
