@@ -30,16 +30,20 @@ from medgraph.methods.tools import KnowledgeTools
 from medgraph.retrieval import Retriever
 from medgraph.settings import load_settings
 from medgraph.tracking import metric_name
+from medgraph.umls.schema import MRCONSO
 from resources import EncoderResource, LlmResource, MlflowResource, WarehouseResource
 
 SETTINGS = load_settings()
 DATASETS = dg.StaticPartitionsDefinition(list(dataset_names(SETTINGS.benchmark, SETTINGS.home)))
 
 
-def _mirage_entry(item) -> dict[str, object]:  # a QaItem, written back in MIRAGE form
+def _mirage_entry(item) -> dict[str, object]:
+    """A QaItem written back in MIRAGE form. Its other fields ride along (the loader puts them back in
+    `extra`): KG items' `gold_path` is what GSRM recall is measured against."""
     entry: dict[str, object] = {"question": item.question, "options": item.options, "answer": item.answer}
     if item.acceptable_answers:
         entry["acceptable_answers"] = list(item.acceptable_answers)
+    entry.update({key: value for key, value in item.extra.items() if key not in entry})
     return entry
 
 
@@ -255,6 +259,20 @@ def _reward_curves(tracking, name: str) -> dict[str, list[tuple[int, float]]]:
     return curves
 
 
+def _ingested_release_fingerprint(instance: dg.DagsterInstance) -> str:
+    """The fingerprint of the release the `umls.*` tables were ingested from (recorded by ingestion), else
+    the last observed one; a run that materializes without observing the source still has the former."""
+    ingested = instance.get_latest_materialization_event(dg.AssetKey(["umls", MRCONSO.table]))
+    recorded = ingested.asset_materialization.metadata.get("release_fingerprint") if ingested else None
+    if recorded is not None:
+        return str(recorded.value)
+    from dagster._core.definitions.data_version import extract_data_version_from_entry
+
+    observed = instance.get_latest_data_version_record(dg.AssetKey("umls_release"))
+    version = extract_data_version_from_entry(observed.event_log_entry) if observed else None
+    return version.value if version else "unknown"
+
+
 @dg.asset(
     key=["eval", "evaluation_report"],
     deps=[a.key for a in eval_assets],
@@ -271,11 +289,7 @@ def evaluation_report(context: dg.AssetExecutionContext, warehouse: WarehouseRes
 
     store = warehouse.open()
     tracking = mlflow_tracking.tracking()
-    release = context.instance.get_latest_data_version_record(dg.AssetKey("umls_release"))
-    from dagster._core.definitions.data_version import extract_data_version_from_entry
-
-    fingerprint = extract_data_version_from_entry(release.event_log_entry) if release else None
-    lineage = {"release fingerprint": fingerprint.value if fingerprint else "unknown",
+    lineage = {"release fingerprint": _ingested_release_fingerprint(context.instance),
                "encoder": encoder.spec, "LLM": llm.spec, "benchmark": SETTINGS.benchmark}
     for name in ("medgraph-gat", "medgraph-hiim-projector", "medgraph-graph-r1-policy"):
         lineage[f"{name}@champion"] = f"v{tracking.champion_version(name)}" if tracking.champion_version(name) \

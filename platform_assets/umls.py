@@ -57,6 +57,8 @@ def _table_asset(layout: RrfLayout) -> dg.AssetsDefinition:
         metadata["parquet_path"] = dg.MetadataValue.path(stats.parquet_path)
         metadata["dagster/row_count"] = stats.rows_out
         metadata["dagster/table_name"] = f"umls.{layout.table}"
+        # Lineage: which release these rows came from, even when the source was never observed.
+        metadata["release_fingerprint"] = release.fingerprint()[0]
         return dg.MaterializeResult(metadata=metadata)
 
     return _ingest

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import dagster as dg
@@ -49,6 +50,8 @@ def test_a_dataset_partition_is_evaluated_into_tables_metadata_and_mlflow(eval_h
                                     "methods": ["cot", "rag"], "batch_size": 3,
                                     "method_config": '{"cot": {"max_new_tokens": 24}, "rag": {"max_new_tokens": 16}}'}}}))
     assert result.success
+    frozen = json.loads((eval_home / "eval" / "benchmark" / "kgqa_mc.json").read_text())["kgqa_mc"]
+    assert len(frozen) == 3 and all(entry["gold_path"] for entry in frozen.values())  # GSRM recall needs them
     (materialization,) = result.asset_materializations_for_node("eval__eval_baselines")
     metadata = materialization.metadata
     assert metadata["questions"].value == 3 and "| cot | kgqa_mc | 3 |" in metadata["summary"].value

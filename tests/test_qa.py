@@ -218,6 +218,7 @@ def test_mirage_files_round_trip_through_load_mirage(generated, items):
         item = loaded[row["qid"]]
         assert (item.dataset, item.question, item.options, item.answer) == (
             row["dataset"], row["question"], json.loads(row["options"]), row["answer"])
+        assert item.extra["gold_path"] == list(row["gold_path"]) and item.extra["hops"] == row["hops"]
         if row["question_type"].startswith("short"):
             assert not item.is_multiple_choice and list(item.gold_answers) == row["acceptable_answers"]
         else:

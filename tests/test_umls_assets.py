@@ -13,6 +13,7 @@ import pytest
 from conftest import REPO_ROOT, replace_line
 
 from platform_assets import umls
+from platform_assets.evaluation import _ingested_release_fingerprint
 from resources import UmlsReleaseResource, WarehouseResource
 
 SNAPSHOT = Path(__file__).parent / "snapshots" / "asset_specs.json"
@@ -53,11 +54,17 @@ def test_asset_specs_match_snapshot():
 
 
 def test_materializing_umls_assets_fills_tables_and_passes_checks(medgraph_home: Path, release_copy: Path):
+    instance = dg.DagsterInstance.ephemeral()
     result = dg.materialize([*umls.umls_tables, *umls.umls_checks],
-                            resources=resources_for(medgraph_home, release_copy))
+                            resources=resources_for(medgraph_home, release_copy), instance=instance)
     assert result.success
     mrrel = result.asset_materializations_for_node("umls__mrrel")[0].metadata
     assert mrrel["dagster/row_count"].value == mrrel["rows_out"].value > 0
+    # Lineage without an observation of the source: the report finds the ingested release's fingerprint.
+    fingerprint = resources_for(medgraph_home, release_copy)["release"].fingerprint()[0]
+    assert mrrel["release_fingerprint"].value == fingerprint
+    assert _ingested_release_fingerprint(instance) == fingerprint
+    assert _ingested_release_fingerprint(dg.DagsterInstance.ephemeral()) == "unknown"
     assert mrrel["rows_kept_after_suppress"].value == mrrel["rows_out"].value
     checks = {(c.asset_key.path[-1], c.check_name): c for c in result.get_asset_check_evaluations()}
     assert len(checks) == 16

@@ -886,6 +886,8 @@ def _mirage_entry(item: KgQaItem) -> dict[str, object]:
     entry: dict[str, object] = {"question": item.question, "options": item.options, "answer": item.answer}
     if not item.options:  # short answer: everything a scorer may accept
         entry["acceptable_answers"] = list(item.acceptable_answers)
+    # Beyond MIRAGE's fields (its readers ignore them): what retrieval recall is measured against.
+    entry.update({"question_type": item.question_type, "hops": item.hops, "gold_path": list(item.gold_path)})
     return entry
 
 
@@ -905,7 +907,7 @@ def _write_json_atomically(path: Path, payload: object) -> None:
 
 def write_mirage_json(items: Sequence[KgQaItem], out_dir: str | Path) -> dict[str, Path]:
     """One MIRAGE file per split, `<out_dir>/qa_items.<split>.json`:
-    `{dataset: {qid: {question, options, answer[, acceptable_answers]}}}`."""
+    `{dataset: {qid: {question, options, answer[, acceptable_answers], question_type, hops, gold_path}}}`."""
     paths = {}
     for split in SPLIT_NAMES:
         payload: dict[str, dict[str, object]] = {}
