@@ -161,6 +161,23 @@ def _table(header: Sequence[str], rows: Sequence[Sequence[object]]) -> tuple[str
     return "\n".join(markdown), f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
 
 
+def _ablation_rows(summaries: Sequence[Mapping[str, object]]) -> list[tuple[object, ...]]:
+    """Each ablation next to its full method on the same dataset (change = ablation - method accuracy)."""
+    from medgraph.methods.registry import ABLATIONS
+
+    accuracy = {(s["method"], s["dataset"]): float(s["accuracy"]) for s in summaries}
+    rows = []
+    for s in summaries:
+        if s["method"] not in ABLATIONS:
+            continue
+        method = ABLATIONS[str(s["method"])][0]
+        full = accuracy.get((method, s["dataset"]))
+        rows.append((s["method"], method, s["dataset"], s["questions"], float(s["accuracy"]), float(s["accuracy_se"]),
+                     "not run" if full is None else full,
+                     "" if full is None else float(s["accuracy"]) - full, float(s["parse_failure_rate"])))
+    return rows
+
+
 def build_report(data: ReportData, out_dir: Path) -> dict[str, Path]:
     """Write `report.md` and `report.html` (plus the PNGs beside the Markdown) atomically."""
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -172,9 +189,10 @@ def build_report(data: ReportData, out_dir: Path) -> dict[str, Path]:
     md, tab = _table(["method", "dataset", "n", "accuracy", "s.e.", "parse failures", "F1"], rows)
     sections.append(("Accuracy per method and dataset", md, tab, accuracy_plot(summaries) if summaries else None))
 
-    ablations = [r for r in rows if "-no-" in str(r[0]) or str(r[0]).endswith("-edge-search")]
+    ablations = _ablation_rows(summaries)
     if ablations:
-        md, tab = _table(["ablation", "dataset", "n", "accuracy", "s.e.", "parse failures", "F1"], ablations)
+        md, tab = _table(["ablation", "of", "dataset", "n", "accuracy", "s.e.", "method accuracy",
+                          "change", "parse failures"], ablations)
         sections.append(("Ablations", md, tab, None))
 
     cost = [(s["method"], s["dataset"], float(s["prompt_tokens"]), float(s["completion_tokens"]),
