@@ -247,8 +247,8 @@ def _parser() -> argparse.ArgumentParser:
     sample = commands.add_parser(
         "sample-release", help="write a UMLS-format sample release built from HPO, ICD-10-CM and a drug table")
     sample.add_argument("--out", required=True, help="directory to write the RRF files into (replaced atomically)")
-    sample.add_argument("--profile", choices=("tiny", "demo"), default="tiny",
-                        help="tiny: ~2.7k concepts for tests; demo: ~50k concepts (default: tiny)")
+    sample.add_argument("--profile", choices=("tiny", "demo", "broad"), default="tiny",
+                        help="tiny: ~2.7k concepts for tests; demo: ~7k (make demo); broad: ~50k (default: tiny)")
     sample.set_defaults(handler=_cmd_sample_release)
 
     status = commands.add_parser("status", help="show where the state is (MEDGRAPH_HOME) and the tables it holds")

@@ -246,10 +246,10 @@ def test_unresolved_drug_targets_fail_a_strict_profile_listing_them():
     table = [sample_release.DrugRelation("lisinopril", "may_treat", "hypertension", "phenotype"),
              sample_release.DrugRelation("placebo", "may_treat", "Nonexistent syndrome", "disease"),
              sample_release.DrugRelation("placebo", "may_prevent", "Imaginary fever", "phenotype")]
-    assert sample_release.PROFILES["demo"].strict_drug_targets
+    assert sample_release.PROFILES["broad"].strict_drug_targets
     with pytest.raises(DrugTargetError, match=r"2 drug-table target.*Imaginary fever \(phenotype\); "
                                               r"Nonexistent syndrome \(disease\)"):
-        sample_release._add_drugs(release, sample_release.PROFILES["demo"], table)
+        sample_release._add_drugs(release, sample_release.PROFILES["broad"], table)
     asserted, skipped = sample_release._add_drugs(release, sample_release.PROFILES["tiny"], table)
     assert asserted == 1 and skipped == ("Imaginary fever (phenotype)", "Nonexistent syndrome (disease)")
 

@@ -213,8 +213,9 @@ class SftConfig:
 SFT_PROFILES = {
     "tiny": SftConfig(steps=2, batch_size=2, micro_batch_size=1, lr=2e-4, lora_r=8, lora_alpha=16, lora_layers=4,
                       train_items=12, valid_items=1, graph_r1=TINY_ENV),
-    "demo": SftConfig(steps=24, batch_size=4, micro_batch_size=1, lr=2e-3, lora_r=16, lora_alpha=32, lora_layers=10,
-                      train_items=120, valid_items=16, graph_r1=SMALL_ENV, progress=True),
+    # `make demo` on a laptop CPU: a few minutes; enough to learn the tag protocol (format), not to answer well.
+    "demo": SftConfig(steps=12, batch_size=4, micro_batch_size=1, lr=2e-3, lora_r=16, lora_alpha=32, lora_layers=10,
+                      train_items=60, valid_items=8, graph_r1=SMALL_ENV, progress=True),
     "full": SftConfig(steps=600, batch_size=16, micro_batch_size=8, lr=1e-5, train_items=5000, valid_items=200,
                       progress=True),
 }

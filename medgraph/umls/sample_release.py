@@ -208,6 +208,7 @@ class _Profile:
     strict_drug_targets: bool  # fail on a drug-table target that is not in the release
 
 
+_ICD_CHAPTERS = ("1", "2", "3", "4", "5", "6", "9", "10", "11", "12", "14", "17", "18")
 PROFILES: dict[str, _Profile] = {
     # A coherent cardiovascular / neurological / metabolic slice, a few seconds to build.
     "tiny": _Profile(
@@ -234,13 +235,43 @@ PROFILES: dict[str, _Profile] = {
         gene_phenotype_min_diseases=2,
         strict_drug_targets=False,
     ),
-    # All of HPO and its annotations plus 13 ICD-10-CM chapters: ~50k concepts, ~0.7M MRREL rows.
+    # The tiny slice's HPO branches two levels deeper, the 1,500 diseases and 800 genes most annotated in them,
+    # and 13 ICD-10-CM chapters down to 4-character codes: ~7k concepts, ~83k MRREL rows. Small enough for
+    # `make demo` to embed, train and evaluate end to end in minutes on a laptop CPU; drug-table targets
+    # outside the slice are skipped.
     "demo": _Profile(
         name="demo",
+        hpo_roots=(
+            ("HP:0001626", 6),     # Abnormality of the cardiovascular system
+            ("HP:0011675", None),  # Arrhythmia
+            ("HP:0001297", None),  # Stroke
+            ("HP:0001250", None),  # Seizure
+            ("HP:0012638", 4),     # Abnormal nervous system physiology
+            ("HP:0100022", 4),     # Abnormality of movement
+            ("HP:0012531", 3),     # Pain
+            ("HP:0000818", 4),     # Abnormality of the endocrine system
+            ("HP:0000819", None),  # Diabetes mellitus
+            ("HP:0003119", 4),     # Abnormal circulating lipid concentration
+            ("HP:0002086", 4),     # Abnormality of the respiratory system
+            ("HP:0002099", None),  # Asthma
+        ),
+        max_diseases=1500,
+        max_genes=800,
+        icd_chapters=_ICD_CHAPTERS,
+        icd_max_code_length=4,
+        icd_expand=(),
+        gene_phenotype_min_diseases=2,
+        strict_drug_targets=False,
+    ),
+    # All of HPO and its annotations plus the same 13 chapters down to 7th-character codes: ~50k concepts,
+    # ~0.7M MRREL rows; every drug-table target must resolve. Embedding it alone takes the better part of an
+    # hour on a laptop CPU (`medgraph sample-release --profile broad`, then MEDGRAPH_UMLS_DIR).
+    "broad": _Profile(
+        name="broad",
         hpo_roots=None,
         max_diseases=None,
         max_genes=None,
-        icd_chapters=("1", "2", "3", "4", "5", "6", "9", "10", "11", "12", "14", "17", "18"),
+        icd_chapters=_ICD_CHAPTERS,
         icd_max_code_length=None,
         icd_expand=(),
         gene_phenotype_min_diseases=2,  # single-disease links are implied by gene->disease->phenotype
@@ -1048,10 +1079,11 @@ def build_sample_release(out_dir: str | Path, profile: str = "tiny") -> SampleRe
     """Write a UMLS-format release (MRCONSO, MRREL, MRSTY, MRDEF, MRSAB, MRFILES) into `out_dir`.
 
     `tiny` is a cardiovascular/neurological/metabolic slice of ~2.5k concepts
-    for tests; `demo` is all of HPO and its annotations plus 13 ICD-10-CM
-    chapters. The same input gives byte-identical files. `demo` fails with
-    DrugTargetError listing every drug-table target it cannot resolve; `tiny`
-    skips them.
+    for tests; `demo` widens it to ~7k concepts with 13 ICD-10-CM chapters
+    (`make demo`); `broad` is all of HPO and its annotations plus those
+    chapters (~50k). The same input gives byte-identical files. `broad` fails
+    with DrugTargetError listing every drug-table target it cannot resolve;
+    the others skip them.
     """
     started = time.perf_counter()
     try:
