@@ -5,8 +5,14 @@ medical questions of different lengths, greedy decoding, --max-new-tokens) are
 completed
 
 - batched: one `TransformersChatModel.generate` call, max_batch_size 16
-  (left-padded, one `model.generate` for all rows);
-- one at a time: 16 calls of one conversation each.
+  (prompts prefilled unpadded, then one shrinking decode batch);
+- one at a time: 16 calls of one conversation each;
+- hf generate: the same 16 rows left-padded through one `model.generate`
+  call (what the backend did before; every row decodes to the longest reply).
+
+--context-tokens N puts ~N tokens of retrieval-style passages (different for
+each question, 0.7-1.3 N) before each question, as RAG prompts have: prefill
+then dominates, and it is the same work batched or not.
 
 For each mode: wall seconds, CPU seconds of this process, generated tokens
 and tokens/s (wall), then the speed-up ratio batched / one-at-a-time. The
@@ -19,7 +25,7 @@ machine two torch threads spin-wait on each other; --threads 1 is the
 robust setting there.
 
     .venv/bin/python benchmarks/llm_batching.py [--threads 1] [--max-new-tokens 32] [--repeats 2]
-        [--home benchmarks/_work/llm_batching/home]
+        [--context-tokens 1000] [--home benchmarks/_work/llm_batching/home]
 """
 
 from __future__ import annotations
@@ -27,12 +33,14 @@ from __future__ import annotations
 import argparse
 import os
 import platform
+import random
 import time
 from pathlib import Path
 
 import torch
 
 from medgraph.llm import GenerationConfig, load_llm, user
+from medgraph.llm.base import Completion
 from medgraph.llm.hf import TransformersChatModel
 
 QUESTIONS = [
@@ -55,14 +63,47 @@ QUESTIONS = [
 ]
 
 
-def run(model: TransformersChatModel, batched: bool, config: GenerationConfig) -> tuple[float, float, list]:
-    conversations = [[user(q)] for q in QUESTIONS]
+def prompts(context_tokens: int) -> list[str]:
+    """The questions, each after its own passages of ~0.7-1.3 x context_tokens tokens (~0.75 words a token)."""
+    if not context_tokens:
+        return QUESTIONS
+    rng = random.Random(0)
+    out = []
+    for question in QUESTIONS:
+        words = int(context_tokens * rng.uniform(0.7, 1.3) * 0.75)
+        sentences = [rng.choice(QUESTIONS).rstrip("?.") + "." for _ in range(words // 9 + 1)]
+        out.append("Passages:\n" + " ".join(sentences) + f"\n\nQuestion: {question}")
+    return out
+
+
+def run(model: TransformersChatModel, mode: str, config: GenerationConfig,
+        texts: list[str]) -> tuple[float, float, list[Completion]]:
+    conversations = [[user(text)] for text in texts]
     wall, cpu = time.perf_counter(), time.process_time()
-    if batched:
+    if mode == "batched":
         completions = model.generate(conversations, config)
-    else:
+    elif mode == "one at a time":
         completions = [model.generate([c], config)[0] for c in conversations]
+    else:
+        completions = hf_generate(model, conversations, config)
     return time.perf_counter() - wall, time.process_time() - cpu, completions
+
+
+@torch.inference_mode()
+def hf_generate(model: TransformersChatModel, conversations: list, config: GenerationConfig) -> list[Completion]:
+    """All rows left-padded through one transformers `generate` call (greedy)."""
+    rows = [model.tokenizer(model.render(c), add_special_tokens=False)["input_ids"] for c in conversations]
+    width = max(len(r) for r in rows)
+    ids = torch.tensor([[model.pad_id] * (width - len(r)) + r for r in rows])
+    mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
+    out = model.model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=config.max_new_tokens,
+                               do_sample=False, pad_token_id=model.pad_id, eos_token_id=model.eos_ids)
+    completions = []
+    for row, tokens in zip(rows, out[:, width:].tolist(), strict=True):
+        end = next((k for k, t in enumerate(tokens) if t in model.eos_ids), len(tokens))
+        completions.append(Completion(model.tokenizer.decode(tokens[:end], skip_special_tokens=True), len(row),
+                                      min(end + 1, len(tokens)), 0.0))
+    return completions
 
 
 def main() -> None:
@@ -70,6 +111,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--context-tokens", type=int, default=0, help="passages before each question (~tokens)")
     parser.add_argument("--home", type=Path, default=Path(__file__).parent / "_work" / "llm_batching" / "home")
     args = parser.parse_args()
 
@@ -79,16 +121,18 @@ def main() -> None:
     print(f"machine: {platform.node()} {os.cpu_count()} CPUs, torch {torch.__version__}, {args.threads} thread(s); "
           f"model loaded in {time.perf_counter() - started:.1f} s ({model.name}, {model.dtype})")
     config = GenerationConfig(max_new_tokens=args.max_new_tokens)
-    run(model, True, GenerationConfig(max_new_tokens=2))  # warm-up: first-call allocations
+    texts = prompts(args.context_tokens)
+    run(model, "batched", GenerationConfig(max_new_tokens=2), QUESTIONS)  # warm-up: first-call allocations
 
     best: dict[str, tuple[float, float, list]] = {}
     for _ in range(args.repeats):
-        for mode in ("one at a time", "batched"):
-            result = run(model, mode == "batched", config)
+        for mode in ("one at a time", "batched", "hf generate"):
+            result = run(model, mode, config, texts)
             if mode not in best or result[0] < best[mode][0]:
                 best[mode] = result
 
-    print(f"\n{len(QUESTIONS)} prompts, greedy, max_new_tokens={args.max_new_tokens}, best of {args.repeats}\n")
+    print(f"\n{len(QUESTIONS)} prompts (~{args.context_tokens} context tokens), greedy, "
+          f"max_new_tokens={args.max_new_tokens}, best of {args.repeats}\n")
     print(f"{'mode':<15}{'wall s':>9}{'CPU s':>9}{'prompt tok':>12}{'gen tok':>9}{'gen tok/s':>11}")
     rates = {}
     for mode, (wall, cpu, completions) in best.items():
@@ -97,7 +141,8 @@ def main() -> None:
         rates[mode] = generated / wall
         print(f"{mode:<15}{wall:>9.2f}{cpu:>9.2f}{prompt:>12}{generated:>9}{rates[mode]:>11.1f}")
     same = sum(a.text == b.text for a, b in zip(best["batched"][2], best["one at a time"][2], strict=True))
-    print(f"\nspeed-up batched / one at a time: {rates['batched'] / rates['one at a time']:.2f}x")
+    print(f"\nspeed-up batched / one at a time: {rates['batched'] / rates['one at a time']:.2f}x "
+          f"(hf generate / one at a time: {rates['hf generate'] / rates['one at a time']:.2f}x)")
     print(f"identical greedy outputs: {same}/{len(QUESTIONS)}")
 
 
