@@ -137,7 +137,7 @@ class ProjectorConfig:
 
 PROJECTOR_PROFILES = {
     "tiny": ProjectorConfig(steps=20, batch_size=4, valid_items=16, eval_every=10, distractors=4),
-    "demo": ProjectorConfig(steps=30, batch_size=8, valid_items=24, eval_every=15, progress=True),
+    "demo": ProjectorConfig(steps=20, batch_size=8, valid_items=16, eval_every=10, progress=True),
     "full": ProjectorConfig(steps=2000, batch_size=16, valid_items=500, eval_every=250, progress=True),
 }
 

@@ -166,8 +166,8 @@ GRPO_PROFILES = {
                        lora_r=8, lora_alpha=16, lora_layers=4, graph_r1=TINY_ENV, valid_items=1, eval_every=1,
                        checkpoint_every=1, skip_flat_groups=False),
     # `make demo` on a laptop CPU: the whole loop (rollouts, update, validation, registration) in minutes.
-    "demo": GrpoConfig(steps=3, questions_per_step=2, group_size=4, micro_batch_size=1, lr=1e-4, beta=0.02,
-                       lora_r=16, lora_alpha=32, lora_layers=10, graph_r1=SMALL_ENV, valid_items=8, eval_every=3,
+    "demo": GrpoConfig(steps=2, questions_per_step=2, group_size=4, micro_batch_size=1, lr=1e-4, beta=0.02,
+                       lora_r=16, lora_alpha=32, lora_layers=10, graph_r1=SMALL_ENV, valid_items=8, eval_every=2,
                        checkpoint_every=1, progress=True),
     "full": GrpoConfig(steps=500, questions_per_step=16, group_size=8, micro_batch_size=8, lr=1e-6, beta=0.04,
                        valid_items=200, eval_every=50, checkpoint_every=50, gradient_checkpointing=True,
