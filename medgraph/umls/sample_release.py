@@ -208,25 +208,28 @@ class _Profile:
     strict_drug_targets: bool  # fail on a drug-table target that is not in the release
 
 
+_TINY_HPO_ROOTS = (
+    ("HP:0001626", 4),     # Abnormality of the cardiovascular system
+    ("HP:0011675", None),  # Arrhythmia
+    ("HP:0001297", None),  # Stroke
+    ("HP:0001250", None),  # Seizure
+    ("HP:0012638", 2),     # Abnormal nervous system physiology
+    ("HP:0100022", 2),     # Abnormality of movement
+    ("HP:0012531", 1),     # Pain
+    ("HP:0000818", 2),     # Abnormality of the endocrine system
+    ("HP:0000819", None),  # Diabetes mellitus
+    ("HP:0003119", 2),     # Abnormal circulating lipid concentration
+    ("HP:0002086", 2),     # Abnormality of the respiratory system
+    ("HP:0002099", None),  # Asthma
+)
+
 _ICD_CHAPTERS = ("1", "2", "3", "4", "5", "6", "9", "10", "11", "12", "14", "17", "18")
+
 PROFILES: dict[str, _Profile] = {
     # A coherent cardiovascular / neurological / metabolic slice, a few seconds to build.
     "tiny": _Profile(
         name="tiny",
-        hpo_roots=(
-            ("HP:0001626", 4),     # Abnormality of the cardiovascular system
-            ("HP:0011675", None),  # Arrhythmia
-            ("HP:0001297", None),  # Stroke
-            ("HP:0001250", None),  # Seizure
-            ("HP:0012638", 2),     # Abnormal nervous system physiology
-            ("HP:0100022", 2),     # Abnormality of movement
-            ("HP:0012531", 1),     # Pain
-            ("HP:0000818", 2),     # Abnormality of the endocrine system
-            ("HP:0000819", None),  # Diabetes mellitus
-            ("HP:0003119", 2),     # Abnormal circulating lipid concentration
-            ("HP:0002086", 2),     # Abnormality of the respiratory system
-            ("HP:0002099", None),  # Asthma
-        ),
+        hpo_roots=_TINY_HPO_ROOTS,
         max_diseases=400,
         max_genes=250,
         icd_chapters=("4", "6", "9"),  # E, G, I
@@ -241,20 +244,7 @@ PROFILES: dict[str, _Profile] = {
     # outside the slice are skipped.
     "demo": _Profile(
         name="demo",
-        hpo_roots=(
-            ("HP:0001626", 6),     # Abnormality of the cardiovascular system
-            ("HP:0011675", None),  # Arrhythmia
-            ("HP:0001297", None),  # Stroke
-            ("HP:0001250", None),  # Seizure
-            ("HP:0012638", 4),     # Abnormal nervous system physiology
-            ("HP:0100022", 4),     # Abnormality of movement
-            ("HP:0012531", 3),     # Pain
-            ("HP:0000818", 4),     # Abnormality of the endocrine system
-            ("HP:0000819", None),  # Diabetes mellitus
-            ("HP:0003119", 4),     # Abnormal circulating lipid concentration
-            ("HP:0002086", 4),     # Abnormality of the respiratory system
-            ("HP:0002099", None),  # Asthma
-        ),
+        hpo_roots=tuple((term, None if levels is None else levels + 2) for term, levels in _TINY_HPO_ROOTS),
         max_diseases=1500,
         max_genes=800,
         icd_chapters=_ICD_CHAPTERS,
