@@ -9,8 +9,6 @@ profile and seed: the same validation questions). Its data version is the
 champion's version, so a run that loses the gate triggers nothing downstream.
 """
 
-import hashlib
-import json
 import shutil
 from pathlib import Path
 
@@ -20,7 +18,7 @@ import mlflow
 from medgraph.llm.hf import TransformersChatModel
 from medgraph.methods.graph_r1 import GraphR1Env
 from medgraph.retrieval import Retriever
-from medgraph.rl.grpo import GrpoConfig, GrpoResult, train_grpo
+from medgraph.rl.grpo import GrpoConfig, resume_dir, train_grpo, training_curves_figure
 from medgraph.rl.model import autocast, save_policy
 from medgraph.rl.policy import POLICY_GATE_METRIC, POLICY_MODEL_NAME, download_checkpoint, log_policy
 from medgraph.rl.rollout import evaluate
@@ -35,27 +33,31 @@ ENV_INPUTS = [dg.AssetKey(["qa", "qa_items"]), dg.AssetKey(["kg", "kg_edges"]), 
 POLICY_INPUTS = [SFT_KEY, *ENV_INPUTS]
 
 
-def _overrides(**values: object) -> dict[str, object]:
-    return {name: value for name, value in values.items() if value is not None}
-
-
-class GraphR1SftConfig(dg.Config):
+class _TrainingConfig(dg.Config):
     profile: str | None = None
-    """tiny | demo | full (default: MEDGRAPH_PROFILE): steps, batch, LoRA, environment sizes (SftConfig.profile)."""
+    """tiny | demo | full (default: MEDGRAPH_PROFILE): steps, sizes, LoRA, environment; any field set below wins."""
     steps: int | None = None
-    train_items: int | None = None
-    """Training questions the expert tries to demonstrate (some are dropped)."""
     valid_items: int | None = None
     lr: float | None = None
     seed: int = 0
     device: str = "auto"
+
+    def _profile_settings(self, config_class, *fields: str):
+        """`config_class.profile(...)` with every field of `fields` (and steps, valid_items, lr) that is set."""
+        overrides = {name: getattr(self, name) for name in ("steps", "valid_items", "lr", *fields)
+                     if getattr(self, name) is not None}
+        return config_class.profile(self.profile or load_settings().profile, seed=self.seed, device=self.device,
+                                    **overrides)
+
+
+class GraphR1SftConfig(_TrainingConfig):
+    train_items: int | None = None
+    """Training questions the expert tries to demonstrate (some are dropped)."""
     evaluate_base: bool = True
     """Score the base model on the validation questions too (the 'before' of the report)."""
 
     def sft_config(self) -> SftConfig:
-        return SftConfig.profile(self.profile or load_settings().profile, seed=self.seed, device=self.device,
-                                 **_overrides(steps=self.steps, train_items=self.train_items,
-                                              valid_items=self.valid_items, lr=self.lr))
+        return self._profile_settings(SftConfig, "train_items")
 
 
 def _prefixed(metrics: dict[str, float], prefix: str) -> dict[str, float]:
@@ -117,32 +119,21 @@ def graph_r1_sft(context: dg.AssetExecutionContext, config: GraphR1SftConfig, wa
     )
 
 
-class GraphR1PolicyConfig(dg.Config):
-    profile: str | None = None
-    """tiny | demo | full (default: MEDGRAPH_PROFILE): steps, G, LoRA, environment sizes (GrpoConfig.profile)."""
-    steps: int | None = None
+class GraphR1PolicyConfig(_TrainingConfig):
     questions_per_step: int | None = None
     group_size: int | None = None
-    lr: float | None = None
     beta: float | None = None
-    valid_items: int | None = None
     eval_every: int | None = None
     reward_variant: str | None = None
     """paper (r_acc + 0.1 r_fmt) or authors (-1 + r_fmt + r_acc if well formed)."""
     rollout_server: str | None = None
     """openai:<model>@<url> of a vLLM server with runtime LoRA loading (medgraph/rl/scale.py)."""
-    seed: int = 0
-    device: str = "auto"
     resume: bool = True
     """Continue from the checkpoint an interrupted run with the same inputs and settings left behind."""
 
     def grpo_config(self) -> GrpoConfig:
-        return GrpoConfig.profile(self.profile or load_settings().profile, seed=self.seed, device=self.device,
-                                  **_overrides(steps=self.steps, questions_per_step=self.questions_per_step,
-                                               group_size=self.group_size, lr=self.lr, beta=self.beta,
-                                               valid_items=self.valid_items, eval_every=self.eval_every,
-                                               reward_variant=self.reward_variant,
-                                               rollout_server=self.rollout_server))
+        return self._profile_settings(GrpoConfig, "questions_per_step", "group_size", "beta", "eval_every",
+                                      "reward_variant", "rollout_server")
 
 
 def _sft_model_uri(context: dg.AssetExecutionContext) -> str:
@@ -151,36 +142,6 @@ def _sft_model_uri(context: dg.AssetExecutionContext) -> str:
     if uri is None:
         raise dg.Failure("no cold-start policy: materialize models/graph_r1_sft first")
     return str(uri.value)
-
-
-def _work_dir(home: Path, config: GrpoConfig, sft_uri: str, data_versions: dict[str, str]) -> Path:
-    """One folder per (settings, start, inputs): a retry resumes its own interrupted run, never another's."""
-    settings = {k: v for k, v in config.as_dict().items() if k not in ("progress", "device")}
-    key = json.dumps({"config": settings, "sft": sft_uri, "inputs": data_versions}, sort_keys=True, default=str)
-    return home / "checkpoints" / "graph_r1_policy" / hashlib.sha256(key.encode()).hexdigest()[:16]
-
-
-def _curves_figure(result: GrpoResult):  # -> matplotlib Figure
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    steps = [h for h in result.history if h["step"] > 0]
-    validated = [h for h in result.history if "valid_accuracy" in h]
-    fig, axes = plt.subplots(1, 3, figsize=(11, 3.2))
-    axes[0].plot([h["step"] for h in steps], [h["reward"] for h in steps], "o-", label="train reward")
-    axes[0].plot([h["step"] for h in steps], [h["format_rate"] for h in steps], "s-", label="format rate")
-    axes[1].plot([h["step"] for h in steps], [h["kl"] for h in steps], "o-", color="tab:red")
-    axes[2].plot([h["step"] for h in validated], [h["valid_accuracy"] for h in validated], "o-", label="accuracy")
-    axes[2].plot([h["step"] for h in validated], [h["valid_reward"] for h in validated], "s-", label="reward")
-    for axis, title in zip(axes, ("rollouts", "KL to reference (k3)", "validation"), strict=True):
-        axis.set_title(title)
-        axis.set_xlabel("step")
-    axes[0].legend()
-    axes[2].legend()
-    fig.tight_layout()
-    return fig
 
 
 @dg.asset(
@@ -204,7 +165,8 @@ def graph_r1_policy(context: dg.AssetExecutionContext, config: GraphR1PolicyConf
     with Retriever(store, encoder.load()) as retriever, mlflow_tracking.start_asset_run(context, POLICY_INPUTS) as run:
         data_versions = {k.removeprefix("data_version/"): v for k, v in run.data.tags.items()
                          if k.startswith("data_version/")}
-        work = _work_dir(Path(warehouse.home), grpo_config, sft_uri, data_versions)
+        work = resume_dir(Path(warehouse.home) / "checkpoints" / "graph_r1_policy", grpo_config, sft_uri,
+                          data_versions)
         start = download_checkpoint(sft_uri, work / "start")
         env = GraphR1Env(retriever, grpo_config.graph_r1)
         valid = load_qa_items(store, "validation", grpo_config.valid_items, grpo_config.seed)

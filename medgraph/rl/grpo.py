@@ -30,10 +30,12 @@ every `eval_every` steps. Scale-out: scale.py.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import random
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field, replace
 from functools import partial
@@ -183,6 +185,38 @@ class GrpoResult:
     policy: TransformersChatModel
     metrics: dict[str, float]  # valid_* at the end and at step 0, train means, timings
     history: list[dict[str, float]] = field(default_factory=list)
+
+
+def resume_dir(root: Path, config: GrpoConfig, start: str, inputs: Mapping[str, str]) -> Path:
+    """One folder under `root` per (settings, starting policy, input data versions): a retry resumes its own
+    interrupted run, never another's."""
+    settings = {k: v for k, v in config.as_dict().items() if k not in ("progress", "device")}
+    key = json.dumps({"config": settings, "sft": start, "inputs": dict(inputs)}, sort_keys=True, default=str)
+    return Path(root) / hashlib.sha256(key.encode()).hexdigest()[:16]
+
+
+def training_curves_figure(history: Sequence[Mapping[str, float]]):  # -> matplotlib Figure
+    """Train reward and format rate, KL to the reference, and validation accuracy/reward per step."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = [h for h in history if h["step"] > 0]
+    validated = [h for h in history if "valid_accuracy" in h]
+    fig, axes = plt.subplots(1, 3, figsize=(11, 3.2))
+    axes[0].plot([h["step"] for h in steps], [h["reward"] for h in steps], "o-", label="train reward")
+    axes[0].plot([h["step"] for h in steps], [h["format_rate"] for h in steps], "s-", label="format rate")
+    axes[1].plot([h["step"] for h in steps], [h["kl"] for h in steps], "o-", color="tab:red")
+    axes[2].plot([h["step"] for h in validated], [h["valid_accuracy"] for h in validated], "o-", label="accuracy")
+    axes[2].plot([h["step"] for h in validated], [h["valid_reward"] for h in validated], "s-", label="reward")
+    for axis, title in zip(axes, ("rollouts", "KL to reference (k3)", "validation"), strict=True):
+        axis.set_title(title)
+        axis.set_xlabel("step")
+    axes[0].legend()
+    axes[2].legend()
+    fig.tight_layout()
+    return fig
 
 
 def grpo_update(policy: TransformersChatModel, loss_model: torch.nn.Module, reference: torch.nn.Module | None,

@@ -16,7 +16,7 @@ import json
 import sys
 from pathlib import Path
 
-from medgraph.rl.grpo import GrpoConfig, train_grpo
+from medgraph.rl.grpo import GrpoConfig, train_grpo, training_curves_figure
 from medgraph.rl.model import save_policy
 from medgraph.rl.scale import Distributed
 
@@ -65,6 +65,7 @@ def main(argv: list[str] | None = None) -> int:
 
             mlflow.log_params({k: str(v) for k, v in config.as_dict().items()})
             mlflow.log_metrics(result.metrics)
+            mlflow.log_figure(training_curves_figure(result.history), "training_curves.png")
             uri = log_policy(policy_dir, result.policy.name, metadata={"graph_r1_config": config.as_dict()})
             version = tracking.register(uri, POLICY_MODEL_NAME)
             print(tracking.promote_if_better(POLICY_MODEL_NAME, version, POLICY_GATE_METRIC).reason)
