@@ -1,4 +1,5 @@
-"""Throwaway servers for tests: a PostgreSQL cluster and an MLflow tracking server, on loopback."""
+"""Throwaway servers for tests (a PostgreSQL cluster, an MLflow tracking server) and the helpers to start
+any server subprocess on loopback: a free port, a readiness wait, a clean stop."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import sys
 import tempfile
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +25,31 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def wait_until_ready(proc: subprocess.Popen, ready: Callable[[], bool], what: str, timeout_s: float,
+                     output: Callable[[], str], interval_s: float = 0.5) -> None:
+    """Poll `ready()` until it is true; fail with the server's output if it exits or the time runs out."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{what} exited with {proc.returncode}:\n{output()[-3000:]}")
+        try:
+            if ready():
+                return
+        except OSError:  # not listening yet (requests' and urllib's errors are OSErrors)
+            pass
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{what} did not become ready in {timeout_s:.0f} s:\n{output()[-3000:]}")
+        time.sleep(interval_s)
+
+
+def stop(proc: subprocess.Popen, timeout_s: float = 20) -> None:
+    proc.terminate()
+    try:
+        proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
 
 
 def postgres_bin_dir() -> Path | None:
@@ -130,24 +156,13 @@ def mlflow_server(backend_store_uri: str, artifacts: Path) -> Iterator[str]:
              "--workers", "1"],
             stdout=out, stderr=subprocess.STDOUT, env=env)
     url = f"http://127.0.0.1:{port}"
+
+    def healthy() -> bool:
+        with urllib.request.urlopen(f"{url}/health", timeout=2) as response:
+            return response.status == 200
+
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"mlflow server exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
-            try:
-                with urllib.request.urlopen(f"{url}/health", timeout=2) as response:
-                    if response.status == 200:
-                        break
-            except OSError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"mlflow server did not start in 120 s:\n{log.read_text()[-3000:]}")
-            time.sleep(0.5)
+        wait_until_ready(proc, healthy, "mlflow server", 120, log.read_text)
         yield url
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop(proc)

@@ -8,15 +8,14 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import requests
+from servers import free_port, stop, wait_until_ready
 
 import definitions
 
@@ -37,12 +36,6 @@ QUERY = """
 """
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def webserver(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     home = tmp_path_factory.mktemp("ui")
@@ -56,25 +49,13 @@ def webserver(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
                                stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 240
-        while time.monotonic() < deadline:
-            if process.poll() is not None:
-                pytest.fail(f"dagster-webserver exited: {process.stdout.read()[-3000:]}")
-            try:
-                if requests.get(f"{url}/server_info", timeout=2).ok and _loaded(url):
-                    break
-            except requests.RequestException:
-                pass
-            time.sleep(2)
-        else:
-            pytest.fail("dagster-webserver did not become healthy within 240 s")
+        wait_until_ready(process, lambda: requests.get(f"{url}/server_info", timeout=2).ok and _loaded(url),
+                         "dagster-webserver", 240, interval_s=2,
+                         # Its output is a pipe: read it only once the process has ended, or the read blocks.
+                         output=lambda: process.stdout.read() if process.poll() is not None else "")
         yield url
     finally:
-        process.terminate()
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            process.kill()
+        stop(process, timeout_s=30)
 
 
 def _loaded(url: str) -> bool:
