@@ -180,7 +180,7 @@ def graph_r1_policy(context: dg.AssetExecutionContext, config: GraphR1PolicyConf
         mlflow.log_metrics({k: v for k, v in result.metrics.items() if not k.startswith("valid_")},
                            step=grpo_config.steps)
         mlflow.log_dict({"history": result.history}, "training.json")
-        mlflow.log_figure(_curves_figure(result), "training_curves.png")
+        mlflow.log_figure(training_curves_figure(result.history), "training_curves.png")
         model_uri = log_policy(save_policy(result.policy, work / "final"), result.policy.name, metadata={
             "sft_model_uri": sft_uri, "graph_r1_config": grpo_config.as_dict()})
         version = tracking.register(model_uri, POLICY_MODEL_NAME, tags={"dagster/run_id": context.run.run_id})
