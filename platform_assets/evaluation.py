@@ -8,7 +8,6 @@ metrics go to MLflow and to the asset's metadata.
 """
 
 import json
-import os
 from pathlib import Path
 
 import dagster as dg
@@ -24,7 +23,7 @@ from medgraph.eval.monitoring import (
     latency_p95_alarm,
     step_budget_alarm,
 )
-from medgraph.kg.qa import load_mirage
+from medgraph.kg.qa import load_mirage, write_mirage
 from medgraph.methods.registry import make_config, run_method
 from medgraph.methods.tools import KnowledgeTools
 from medgraph.retrieval import Retriever
@@ -35,16 +34,6 @@ from resources import EncoderResource, LlmResource, MlflowResource, WarehouseRes
 
 SETTINGS = load_settings()
 DATASETS = dg.StaticPartitionsDefinition(list(dataset_names(SETTINGS.benchmark, SETTINGS.home)))
-
-
-def _mirage_entry(item) -> dict[str, object]:
-    """A QaItem written back in MIRAGE form. Its other fields ride along (the loader puts them back in
-    `extra`): KG items' `gold_path` is what GSRM recall is measured against."""
-    entry: dict[str, object] = {"question": item.question, "options": item.options, "answer": item.answer}
-    if item.acceptable_answers:
-        entry["acceptable_answers"] = list(item.acceptable_answers)
-    entry.update({key: value for key, value in item.extra.items() if key not in entry})
-    return entry
 
 
 class BenchmarkConfig(dg.Config):
@@ -72,11 +61,7 @@ def qa_benchmark(context: dg.AssetExecutionContext, config: BenchmarkConfig,
     if dataset not in benchmark:
         raise dg.Failure(f"benchmark {config.spec!r} has no dataset {dataset!r} (it has {sorted(benchmark)})")
     items = benchmark[dataset]
-    path = Path(warehouse.home) / "eval" / "benchmark" / f"{dataset}.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    staging = path.with_suffix(".json.tmp")
-    staging.write_text(json.dumps({dataset: {i.qid: _mirage_entry(i) for i in items}}, ensure_ascii=False))
-    os.replace(staging, path)
+    path = write_mirage(Path(warehouse.home) / "eval" / "benchmark" / f"{dataset}.json", items)
     return dg.MaterializeResult(metadata={"questions": len(items), "path": dg.MetadataValue.path(str(path)),
                                           "spec": config.spec,
                                           "multiple_choice": sum(i.is_multiple_choice for i in items)})

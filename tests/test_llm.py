@@ -46,13 +46,7 @@ GREEDY = GenerationConfig(max_new_tokens=10)
 
 # -- SmolLM2 in process --------------------------------------------------------------------------------
 
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread() -> Iterator[None]:
-    """Small batches: one torch thread. Two spin-wait on each other on a busy 2-core machine (10x slower)."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # small batches: see conftest
 
 
 @pytest.fixture(scope="module")

@@ -1054,6 +1054,22 @@ class QaItem:
         return self.acceptable_answers or (self.answer_text,)
 
 
+def write_mirage(path: str | Path, items: Sequence[QaItem]) -> Path:
+    """Write QaItems as a MIRAGE-format file (atomically), the inverse of `load_mirage`: every field survives,
+    `extra` included (KG items' `gold_path` is what GSRM recall is measured against)."""
+    payload: dict[str, dict[str, object]] = {}
+    for item in items:
+        entry: dict[str, object] = {"question": item.question, "options": item.options, "answer": item.answer}
+        if item.acceptable_answers:
+            entry["acceptable_answers"] = list(item.acceptable_answers)
+        if item.pmids:
+            entry["PMID"] = list(item.pmids)
+        entry.update({key: value for key, value in item.extra.items() if key not in entry})
+        payload.setdefault(item.dataset, {})[item.qid] = entry
+    _write_json_atomically(Path(path), payload)
+    return Path(path)
+
+
 def load_mirage(path: str | Path, datasets: Iterable[str] | None = None) -> list[QaItem]:
     """Read `{dataset: {qid: {question, options, answer, ...}}}` into QaItems, in file order.
 

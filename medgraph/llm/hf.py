@@ -231,8 +231,7 @@ class TransformersChatModel(ChatModel):
     def _prefill(self, rows: list[_Row]) -> tuple[DynamicCache, torch.Tensor, torch.Tensor]:
         """Run the prompts; the joined left-padded KV cache, its attention mask and each row's next-token logits."""
         width = max(len(r) for r in rows)
-        layer_keys: list[list[torch.Tensor | None]] = []
-        layer_values: list[list[torch.Tensor | None]] = []
+        per_row: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in rows]  # row -> layer -> (keys, values)
         logits: list[torch.Tensor | None] = [None] * len(rows)
         for group in self._prefill_groups(rows):
             inputs_embeds, mask = self._embed_rows([rows[i] for i in group])
@@ -241,19 +240,16 @@ class TransformersChatModel(ChatModel):
             out = self.model(inputs_embeds=inputs_embeds, attention_mask=mask if padded else None,
                              position_ids=left_padded_position_ids(mask), cache=cache, use_cache=True,
                              logits_to_keep=1)
-            for layer, key_value in enumerate((layer.keys, layer.values) for layer in cache.layers):
-                if layer == len(layer_keys):
-                    layer_keys.append([None] * len(rows))
-                    layer_values.append([None] * len(rows))
-                for slot, i in enumerate(group):
-                    # Left-pad this group's cache to the sub-batch width (zeros, masked out below).
-                    pad = width - key_value[0].shape[-2]
-                    layer_keys[layer][i] = torch.nn.functional.pad(key_value[0][slot:slot + 1], (0, 0, pad, 0))
-                    layer_values[layer][i] = torch.nn.functional.pad(key_value[1][slot:slot + 1], (0, 0, pad, 0))
             for slot, i in enumerate(group):
+                per_row[i] = [(layer.keys[slot:slot + 1], layer.values[slot:slot + 1]) for layer in cache.layers]
                 logits[i] = out.logits[slot, -1].float()
-        joined = DynamicCache([(torch.cat(k), torch.cat(v)) for k, v in zip(layer_keys, layer_values, strict=True)],
-                              config=self.model.config)
+
+        def left_padded(tensor: torch.Tensor) -> torch.Tensor:  # zeros before the row's keys, masked out below
+            return torch.nn.functional.pad(tensor, (0, 0, width - tensor.shape[-2], 0))
+
+        joined = DynamicCache([(torch.cat([left_padded(row[layer][0]) for row in per_row]),
+                                torch.cat([left_padded(row[layer][1]) for row in per_row]))
+                               for layer in range(len(per_row[0]))], config=self.model.config)
         mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows], device=self.device)
         return joined, mask, torch.stack(logits)
 
