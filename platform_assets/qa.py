@@ -4,7 +4,7 @@ from pathlib import Path
 
 import dagster as dg
 
-from medgraph.kg.qa import generate_qa_items
+from medgraph.kg.qa import generate_qa_items, gold_pairs_in_two_splits
 from resources import WarehouseResource
 
 KG_INPUTS = [dg.AssetKey(["kg", "kg_nodes"]), dg.AssetKey(["kg", "kg_edges"])]
@@ -23,12 +23,12 @@ class QaConfig(dg.Config):
     kinds={"duckdb", "parquet", "json"},
     pool="warehouse",
     automation_condition=dg.AutomationCondition.eager(),
-    code_version="1",
+    code_version="2",
 )
 def qa_items(context: dg.AssetExecutionContext, config: QaConfig, warehouse: WarehouseResource) -> dg.MaterializeResult:
     """Multiple-choice, yes/no and 1-/2-hop short-answer questions read off `kg.kg_edges`, each with
-    its gold path; split train/validation/test by question entity. Table `qa.qa_items` plus MIRAGE
-    files `$MEDGRAPH_HOME/qa/qa_items.<split>.json`."""
+    its gold path; split train/validation/test by fact (no unordered gold concept pair in two splits).
+    Table `qa.qa_items` plus MIRAGE files `$MEDGRAPH_HOME/qa/qa_items.<split>.json`."""
     store = warehouse.open()
     stats = generate_qa_items(store, Path(warehouse.home) / "qa", seed=config.seed, per_type=config.per_type)
     metadata = stats.as_metadata()
@@ -37,4 +37,12 @@ def qa_items(context: dg.AssetExecutionContext, config: QaConfig, warehouse: War
     return dg.MaterializeResult(metadata=metadata)
 
 
-defs = dg.Definitions(assets=[qa_items])
+@dg.asset_check(asset=qa_items, blocking=True,
+                description="No unordered gold concept pair occurs in two splits (train/validation/test).")
+def no_gold_pair_in_two_splits(warehouse: WarehouseResource) -> dg.AssetCheckResult:
+    leaked = gold_pairs_in_two_splits(warehouse.open())
+    return dg.AssetCheckResult(passed=not leaked, metadata={"leaked_pairs": len(leaked),
+                                                            "examples": str(leaked[:5])})
+
+
+defs = dg.Definitions(assets=[qa_items], asset_checks=[no_gold_pair_in_two_splits])

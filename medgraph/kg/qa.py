@@ -30,12 +30,19 @@ whichever direction it was found in. Questions about hubs (many neighbours) and
 short answers with more than a few correct concepts are skipped, because they
 cannot be scored meaningfully.
 
-Splits come from a hash of the question entity (the first seed CUI), never
-from a random draw: every question about one concept lands in one split, so no
-fact is rewarded in train and measured again in test. The qid is a hash of what
-a question asks (type, relations, question entities; the object too for
-yes/no), so it is stable across seeds, and a seed only changes which questions
-are sampled (and the options of a multiple-choice question).
+Splits are by fact, never by a random draw. A question's facts are the
+unordered concept pairs of its gold path (any relation, either direction: UMLS
+lists most relations twice, so "Which drug treats X?" and "What does drug D
+treat?" ask the same fact from two ends); a "no" question's fact is the pair it
+asks about. Items that share a fact are joined, transitively, into connected
+components of the fact graph, and each component lands whole in one split (a
+hash of its smallest pair). Guarantee: no unordered gold pair (and no asked
+pair of a "no") occurs in two splits, so no fact rewarded in train is measured
+again in validation or test. Distractors may come from anywhere. The qid is a
+hash of what a question asks (type, relations, question entities; the object
+too for yes/no), so it is stable across seeds; a question's split is stable
+whenever its component is (a seed changes which questions are sampled, and so
+can merge components).
 """
 
 from __future__ import annotations
@@ -770,6 +777,7 @@ class KgQaItem:
     answer_cuis: tuple[str, ...]
     acceptable_answers: tuple[str, ...]
     gold_path: tuple[str, ...]  # edge ids, in path order; () for a "no"
+    gold_pairs: tuple[Pair, ...]  # the unordered concept pairs of the gold path (what evidence recall counts)
     gold_path_text: str
     seed_cuis: tuple[str, ...]  # the question entities
     relations: tuple[str, ...]  # the relations asked about: path order; intersections answer -> each entity
@@ -783,13 +791,7 @@ def question_id(question_type: str, fact: Sequence[str]) -> str:
 
 
 def split_of(key: str, fractions: Sequence[float] = (0.8, 0.1, 0.1)) -> str:
-    """train / validation / test from the sha1 of `key`: stable, never random.
-
-    Items are split by their question entity (the first seed CUI), not by qid:
-    otherwise the same fact could be asked as a multiple-choice question in
-    train and as a yes/no question in test, and a trained policy would be
-    measured on facts it was rewarded for.
-    """
+    """train / validation / test from the sha1 of `key`: stable, never random."""
     position = int(hashlib.sha1(key.encode("utf-8")).hexdigest()[:15], 16) / 16**15
     bound = 0.0
     for name, fraction in zip(SPLIT_NAMES, fractions):
@@ -797,6 +799,60 @@ def split_of(key: str, fractions: Sequence[float] = (0.8, 0.1, 0.1)) -> str:
         if position < bound:
             return name
     return SPLIT_NAMES[-1]
+
+
+Pair = tuple[str, str]  # an unordered concept pair, stored sorted
+
+
+def concept_pair(a: str, b: str) -> Pair:
+    return (a, b) if a <= b else (b, a)
+
+
+def gold_pairs_of(path: Iterable[Edge]) -> tuple[Pair, ...]:
+    """The unordered concept pairs of a gold path, each once, in path order."""
+    return tuple(dict.fromkeys(concept_pair(src, dst) for src, _, dst in path))
+
+
+def _facts(draft: _Draft) -> set[Pair]:
+    """What a question asks or rewards, as unordered pairs: its gold path; for a 1-hop question every
+    (question entity, correct answer) too (each is scored correct); for a "no", the pair it asks about."""
+    facts = set(gold_pairs_of(draft.path))
+    if draft.question_type in ("mc", "short_1hop"):
+        facts |= {concept_pair(draft.seed_cuis[0], answer) for answer in draft.answer_cuis}
+    if not draft.path:
+        facts.add(concept_pair(*draft.seed_cuis[:2]))
+    return facts
+
+
+def fact_components(facts_per_item: Sequence[set[Pair]]) -> list[Pair]:
+    """For each item, its component of the fact graph, named by the component's smallest pair.
+
+    Items that share a fact (an unordered pair) are joined, transitively (union-find over pairs).
+    """
+    parent: dict[Pair, Pair] = {}
+
+    def root(pair: Pair) -> Pair:
+        parent.setdefault(pair, pair)
+        while parent[pair] != pair:
+            parent[pair] = parent[parent[pair]]  # path halving
+            pair = parent[pair]
+        return pair
+
+    for facts in facts_per_item:
+        if not facts:
+            raise ValueError("a question without facts cannot be split by fact")
+        ordered = sorted(facts)
+        for other in ordered[1:]:
+            a, b = root(ordered[0]), root(other)
+            if a != b:
+                parent[max(a, b)] = min(a, b)  # a root stays its component's smallest pair
+    return [root(min(facts)) for facts in facts_per_item]
+
+
+def fact_splits(facts_per_item: Sequence[set[Pair]], fractions: Sequence[float] = (0.8, 0.1, 0.1)) -> list[str]:
+    """The split of each item such that no fact occurs in two splits: a whole component per split, from
+    the hash of its smallest pair (an item alone with its facts keeps its split whatever else is generated)."""
+    return [split_of("|".join(component), fractions) for component in fact_components(facts_per_item)]
 
 
 def _edge_ids(warehouse: Warehouse, edges: set[Edge]) -> dict[Edge, str]:
@@ -823,15 +879,19 @@ def _path_text(graph: _Graph, draft: _Draft) -> str:
     return text
 
 
-def _finish(drafts: list[_Draft], graph: _Graph, warehouse: Warehouse, splits: Sequence[float]) -> list[KgQaItem]:
+def _finish(drafts: list[_Draft], graph: _Graph, warehouse: Warehouse,
+            splits: Sequence[float]) -> tuple[list[KgQaItem], list[Pair]]:
+    """The items, split by fact, and each one's fact component."""
     edge_ids = _edge_ids(warehouse, {edge for draft in drafts for edge in draft.path})
+    components = fact_components([_facts(draft) for draft in drafts])
+    split_per_draft = [split_of("|".join(component), splits) for component in components]
     items = []
-    for draft in drafts:
+    for draft, split in zip(drafts, split_per_draft, strict=True):
         qid = question_id(draft.question_type, draft.fact)
         items.append(KgQaItem(
             qid=qid,
             dataset=DATASET_OF_TYPE[draft.question_type],
-            split=split_of(draft.seed_cuis[0], splits),
+            split=split,
             question_type=draft.question_type,
             question=draft.question,
             options=draft.options,
@@ -840,12 +900,13 @@ def _finish(drafts: list[_Draft], graph: _Graph, warehouse: Warehouse, splits: S
             answer_cuis=draft.answer_cuis,
             acceptable_answers=draft.acceptable_answers,
             gold_path=tuple(edge_ids[edge] for edge in draft.path),
+            gold_pairs=gold_pairs_of(draft.path),
             gold_path_text=_path_text(graph, draft),
             seed_cuis=draft.seed_cuis,
             relations=draft.relations,
             hops=len(draft.relations),
         ))
-    return items
+    return items, components
 
 
 # --------------------------------------------------------------------------- outputs
@@ -856,7 +917,7 @@ _TABLE_SCHEMA = pa.schema([
     ("question", pa.string()), ("options", pa.string()), ("option_cuis", pa.list_(pa.string())),
     ("answer", pa.string()), ("answer_cuis", pa.list_(pa.string())),
     ("acceptable_answers", pa.list_(pa.string())), ("gold_path", pa.list_(pa.string())),
-    ("gold_path_text", pa.string()), ("seed_cuis", pa.list_(pa.string())), ("relations", pa.list_(pa.string())),
+    ("gold_pairs", pa.list_(pa.list_(pa.string()))), ("gold_path_text", pa.string()), ("seed_cuis", pa.list_(pa.string())), ("relations", pa.list_(pa.string())),
     ("hops", pa.int32()),
 ])
 
@@ -868,7 +929,8 @@ def _publish_table(items: list[KgQaItem], warehouse: Warehouse) -> Path:
         for name in _TABLE_SCHEMA.names:
             value = getattr(item, name)
             columns[name].append(json.dumps(value, ensure_ascii=False) if name == "options" else
-                                 list(value) if isinstance(value, tuple) else value)
+                                 [list(v) if isinstance(v, tuple) else v for v in value] if isinstance(value, tuple)
+                                 else value)
     table = pa.table(columns, schema=_TABLE_SCHEMA)
     lake = warehouse.lake
     staging = lake.scratch_path(SCHEMA, TABLE)  # pyarrow writes a local file; `install` uploads it on S3
@@ -887,7 +949,9 @@ def _mirage_entry(item: KgQaItem) -> dict[str, object]:
     if not item.options:  # short answer: everything a scorer may accept
         entry["acceptable_answers"] = list(item.acceptable_answers)
     # Beyond MIRAGE's fields (its readers ignore them): what retrieval recall is measured against.
-    entry.update({"question_type": item.question_type, "hops": item.hops, "gold_path": list(item.gold_path)})
+    entry.update({"question_type": item.question_type, "hops": item.hops, "gold_path": list(item.gold_path),
+                  "gold_pairs": [list(pair) for pair in item.gold_pairs], "answer_cuis": list(item.answer_cuis),
+                  "seed_cuis": list(item.seed_cuis)})
     return entry
 
 
@@ -933,6 +997,9 @@ class QaStats:
     seed: int
     seconds: float
     parquet_path: str
+    fact_components: int  # connected components of the fact graph (each lands whole in one split)
+    largest_component: int  # items in the largest one
+    pairs_in_two_splits: int  # unordered gold pairs found in more than one split: 0 by construction
     json_paths: dict[str, str]
 
     def as_metadata(self) -> dict[str, object]:
@@ -944,12 +1011,34 @@ class QaStats:
             "yesno_no": self.no,
             "seconds": round(self.seconds, 3),
             "parquet_path": self.parquet_path,
+            "fact_components": self.fact_components,
+            "largest_fact_component_items": self.largest_component,
+            "gold_pairs_in_two_splits": self.pairs_in_two_splits,
+            "items_dropped_straddling_splits": 0,  # components keep every item whole: none is dropped
         }
         metadata.update({f"items_{t}": n for t, n in self.per_type.items()})
         metadata.update({f"split_{s}": n for s, n in self.per_split.items()})
         metadata.update({f"relation_{r}": n for r, n in sorted(self.per_relation.items())})
         metadata.update({f"json_{s}": p for s, p in self.json_paths.items()})
         return metadata
+
+
+def gold_pairs_in_two_splits(warehouse: Warehouse) -> list[tuple[str, str, list[str]]]:
+    """(cui, cui, splits) of every unordered gold pair of `qa.qa_items` found in more than one split."""
+    with warehouse.connect(read_only=True) as con:
+        return [(a, b, list(splits)) for a, b, splits in con.execute(
+            f"SELECT pair[1], pair[2], list(DISTINCT split ORDER BY split) FROM "
+            f"(SELECT split, unnest(gold_pairs) AS pair FROM {SCHEMA}.{TABLE}) GROUP BY ALL "
+            "HAVING count(DISTINCT split) > 1 ORDER BY 1, 2").fetchall()]
+
+
+def gold_pairs_in_several_splits(items: Iterable[KgQaItem]) -> dict[Pair, set[str]]:
+    """Every unordered gold pair that occurs in more than one split, with those splits (empty when leak-free)."""
+    splits_of: dict[Pair, set[str]] = defaultdict(set)
+    for item in items:
+        for pair in item.gold_pairs:
+            splits_of[pair].add(item.split)
+    return {pair: splits for pair, splits in splits_of.items() if len(splits) > 1}
 
 
 def _per_type_counts(per_type: int | Mapping[str, int]) -> dict[str, int]:
@@ -999,7 +1088,11 @@ def generate_qa_items(
     for question_type in QUESTION_TYPES:
         rng = random.Random(f"{seed}:{question_type}")
         drafts += _take_unique(_DRAFTERS[question_type](graph, rng), counts[question_type])
-    items = _finish(drafts, graph, warehouse, splits)
+    items, components = _finish(drafts, graph, warehouse, splits)
+    leaked = gold_pairs_in_several_splits(items)
+    if leaked:  # cannot happen by construction; never publish a leaking benchmark if it ever does
+        raise AssertionError(f"{len(leaked)} gold pairs in several splits, e.g. {next(iter(leaked.items()))}")
+    component_sizes = Counter(components)
     parquet = _publish_table(items, warehouse)
     json_paths = write_mirage_json(items, out_dir)
 
@@ -1019,6 +1112,9 @@ def generate_qa_items(
         seconds=time.perf_counter() - started,
         parquet_path=str(parquet),
         json_paths={s: str(p) for s, p in json_paths.items()},
+        fact_components=len(component_sizes),
+        largest_component=max(component_sizes.values(), default=0),
+        pairs_in_two_splits=len(leaked),
     )
     log.info("qa items: %d (%s) in %.1fs", stats.items, stats.per_type, stats.seconds)
     return stats
