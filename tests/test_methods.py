@@ -279,20 +279,21 @@ def test_t_kg_records_recall_of_the_gold_path_when_it_is_known(tools: KnowledgeT
     unreachable = QaItem("test", "far", MECHANISM.question, {}, "x", extra={"gold_path": [elsewhere.edge_id]})
     a2rag = A2Rag(tools, ScriptedChatModel([]), A2RagConfig(retrieval="one_hop", top_n=500))
     found, missed, unknown = a2rag.knowledge_graph([known, unreachable, MECHANISM])
-    assert (found.gold_recall, found.subgraph_gold_recall, found.recall_by_iteration) == (1.0, 1.0, [1.0])
-    assert (missed.gold_recall, missed.subgraph_gold_recall) == (0.0, 0.0)
+    assert (found.gold_recall, found.recall_atN_by_iteration) == (1.0, [1.0])
+    assert (missed.gold_recall, missed.recall_atN_by_iteration) == (0.0, [0.0])
     assert unknown.gold_recall is None
 
 
 def test_gsrm_recall_by_iteration_shows_when_a_two_hop_gold_path_is_reached(tools: KnowledgeTools):
-    """amlodipine -may_treat-> Hypertension -manifestation_of-> X: the second edge joins G at iteration 1."""
+    """amlodipine -may_treat-> Hypertension -manifestation_of-> X: the second edge joins G at iteration 1
+    (Recall@N of the ranked list, N = 500: the whole of G)."""
     treats = _edge(tools, AMLODIPINE, "may_treat", HYPERTENSION)
     second = tools.one_hop([[HYPERTENSION]], per_relation_limit=3)[0][-1]
     item = QaItem("test", "two-hop", MECHANISM.question, {}, "x", extra={"gold_path": [treats.edge_id, second.edge_id]})
     a2rag = A2Rag(tools, ScriptedChatModel([]), A2RagConfig(tau=-1.0, iterations=1, top_n=500,
                                                             max_triples_per_relation=3))
     (result,) = a2rag.knowledge_graph([item])
-    assert result.recall_by_iteration == [0.5, 1.0] and result.stats()["gsrm_recall_by_iteration"] == [0.5, 1.0]
+    assert result.recall_atN_by_iteration == [0.5, 1.0] and result.stats()["gsrm_recall_atN_by_iteration"] == [0.5, 1.0]
 
 
 def test_question_entities_come_from_the_question_and_its_options(tools: KnowledgeTools):
@@ -391,6 +392,15 @@ def test_sema_rag_that_is_never_satisfied_stops_at_max_rounds(tools: KnowledgeTo
     assert not result.stats["early_stop"] and result.stats["sufficiency"] == [False, False]
     retrieves = [s for s in result.steps if s.action == "retrieve"]
     assert [s.arguments["queries"] for s in retrieves[1:]] == [["amlodipine question 0"], ["amlodipine question 1"]]
+
+
+def test_sema_rag_without_early_stop_keeps_searching_after_a_sufficient_judgment(tools: KnowledgeTools):
+    judgments = [json.dumps({"sufficient": True, "gap": "", "queries": [f"amlodipine question {i}"]})
+                 for i in range(3)]
+    (result,) = run_method("sema-rag-no-early-stop", [TREAT], tools, ScriptedChatModel(sema_reply(judgments)),
+                           make_config("sema-rag-no-early-stop", {"max_rounds": 3}))
+    assert result.stats["rounds"] == 3 and result.stats["stop_reason"] == "max_rounds"
+    assert not result.stats["early_stop"] and result.stats["sufficiency"] == [True, True]
 
 
 @pytest.mark.parametrize("judgment", [

@@ -2,7 +2,11 @@
 
 Metrics follow DESIGN.md "Evaluation protocol": accuracy with its binomial
 standard error; an unparseable answer counts as wrong and is reported as the
-parse-failure rate; cost as tokens per question and latency p50/p95; method
+parse-failure rate, and an answer reply cut at its token budget (asked once
+more for the answer alone) as the truncation rate; evidence recall (the share
+of a question's gold concept pairs, and whether its answer concept, in what
+the answering call was shown) as a mean with its standard error over the
+questions that carry gold; cost as tokens per question and latency p50/p95; method
 statistics (A2RAG routing shares and HIIM mode, SEMA-RAG rounds and early
 stops, Graph-R1 steps, GSRM recall per iteration when gold paths are known).
 
@@ -46,6 +50,18 @@ class MethodSummary:
     latency_p50_s: float
     latency_p95_s: float
     extra: dict[str, float]  # method statistics (routing shares, rounds, steps, GSRM recall, ...)
+    # The answer reply hit its token budget without a readable answer (then asked once more): apart from
+    # parse failures, which are the questions left without a readable answer in the end.
+    truncation_rate: float = 0.0
+    # Mean share of the gold concept pairs in the evidence shown to the answering call, its standard error
+    # of the mean and the number of questions with gold pairs (NaN, NaN, 0 when none has).
+    evidence_pair_recall: float = float("nan")
+    evidence_pair_recall_se: float = float("nan")
+    evidence_pair_recall_n: int = 0
+    # Share of questions whose answer concept was in that evidence, its standard error, and n.
+    answer_in_evidence: float = float("nan")
+    answer_in_evidence_se: float = float("nan")
+    answer_in_evidence_n: int = 0
 
     def as_row(self) -> dict[str, object]:
         row = {k: v for k, v in self.__dict__.items() if k != "extra"}
@@ -58,6 +74,16 @@ def binomial_se(correct: int, n: int) -> float:
         return float("nan")
     p = correct / n
     return math.sqrt(p * (1 - p) / n)
+
+
+def mean_and_se(values: Sequence[float | None]) -> tuple[float, float, int]:
+    """(mean, standard error of the mean, n) of the values that are not None; (NaN, NaN, 0) for none
+    and a standard error of NaN for one."""
+    known = np.array([v for v in values if v is not None], dtype=float)
+    if len(known) == 0:
+        return float("nan"), float("nan"), 0
+    se = float(known.std(ddof=1) / math.sqrt(len(known))) if len(known) > 1 else float("nan")
+    return float(known.mean()), se, len(known)
 
 
 def _shares(values: Iterable[object], prefix: str) -> dict[str, float]:
@@ -83,17 +109,18 @@ def method_statistics(results: Sequence[MethodResult]) -> dict[str, float]:
         stats["steps_mean"] = float(np.mean([len(r.steps) for r in results]))
         actions = [s.action for r in results for s in r.steps]
         stats.update(_shares(actions, "action_share/"))
-    for key in ("gsrm_gold_recall", "gsrm_subgraph_gold_recall", "gsrm_iterations", "gsrm_returned"):
+    for key in ("gsrm_gold_recall", "gsrm_iterations", "gsrm_returned"):
         values = [float(r.stats[key]) for r in results if r.stats.get(key) is not None]
         if values:
             stats[f"{key}_mean"] = float(np.mean(values))
-    # Recall of the gold triples in the subgraph after each GSRM iteration (0 = the 1-hop G_init).
-    by_iteration = [r.stats["gsrm_recall_by_iteration"] for r in results
-                    if isinstance(r.stats.get("gsrm_recall_by_iteration"), list)]
-    for iteration in range(max((len(x) for x in by_iteration), default=0)):
-        values = [x[iteration] for x in by_iteration if len(x) > iteration and x[iteration] is not None]
-        if values:
-            stats[f"gsrm_recall/iter{iteration}"] = float(np.mean(values))
+    # Recall@10 and Recall@N of GSRM's ranked triple list after each iteration k (0 = the 1-hop G_init).
+    for cutoff in ("at10", "atN"):
+        by_iteration = [r.stats[f"gsrm_recall_{cutoff}_by_iteration"] for r in results
+                        if isinstance(r.stats.get(f"gsrm_recall_{cutoff}_by_iteration"), list)]
+        for iteration in range(max((len(x) for x in by_iteration), default=0)):
+            values = [x[iteration] for x in by_iteration if len(x) > iteration and x[iteration] is not None]
+            if values:
+                stats[f"gsrm_recall_{cutoff}/iter{iteration}"] = float(np.mean(values))
     return stats
 
 
@@ -107,6 +134,8 @@ def summarize(results: Sequence[MethodResult]) -> list[MethodSummary]:
         n = len(group)
         correct = sum(r.correct for r in group)
         latencies = np.array([r.latency_s for r in group])
+        pair_recall, pair_recall_se, pair_recall_n = mean_and_se([r.evidence_pair_recall for r in group])
+        in_evidence, in_evidence_se, in_evidence_n = mean_and_se([r.evidence_answer_recall for r in group])
         summaries.append(MethodSummary(
             method=method, dataset=dataset, questions=n, accuracy=correct / n, accuracy_se=binomial_se(correct, n),
             parse_failure_rate=sum(r.parse_failed for r in group) / n, mean_f1=float(np.mean([r.f1 for r in group])),
@@ -115,16 +144,31 @@ def summarize(results: Sequence[MethodResult]) -> list[MethodSummary]:
             llm_calls=float(np.mean([r.llm_calls for r in group])),
             latency_p50_s=float(np.percentile(latencies, 50)), latency_p95_s=float(np.percentile(latencies, 95)),
             extra=method_statistics(group),
+            truncation_rate=sum(r.truncated for r in group) / n,
+            evidence_pair_recall=pair_recall, evidence_pair_recall_se=pair_recall_se,
+            evidence_pair_recall_n=pair_recall_n, answer_in_evidence=in_evidence,
+            answer_in_evidence_se=in_evidence_se, answer_in_evidence_n=in_evidence_n,
         ))
     return summaries
 
 
+def _mean_cell(mean: float, se: float, n: int) -> str:
+    """"0.750 ± 0.120 (n=8)"; "-" when no question has a value."""
+    if n == 0:
+        return "-"
+    return f"{mean:.3f} ± {se:.3f} (n={n})" if not math.isnan(se) else f"{mean:.3f} (n={n})"
+
+
 def markdown_table(summaries: Sequence[MethodSummary]) -> str:
-    lines = ["| method | dataset | n | accuracy | parse failures | tokens/q | latency p50 / p95 (s) |",
-             "|---|---|---|---|---|---|---|"]
+    columns = ("method", "dataset", "n", "accuracy", "parse failures", "truncated", "evidence pair recall",
+               "answer in evidence", "tokens/q", "latency p50 / p95 (s)")
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     for s in summaries:
         lines.append(f"| {s.method} | {s.dataset} | {s.questions} | {s.accuracy:.3f} ± {s.accuracy_se:.3f} "
-                     f"| {s.parse_failure_rate:.1%} | {s.prompt_tokens + s.completion_tokens:.0f} "
+                     f"| {s.parse_failure_rate:.1%} | {s.truncation_rate:.1%} "
+                     f"| {_mean_cell(s.evidence_pair_recall, s.evidence_pair_recall_se, s.evidence_pair_recall_n)} "
+                     f"| {_mean_cell(s.answer_in_evidence, s.answer_in_evidence_se, s.answer_in_evidence_n)} "
+                     f"| {s.prompt_tokens + s.completion_tokens:.0f} "
                      f"| {s.latency_p50_s:.2f} / {s.latency_p95_s:.2f} |")
     return "\n".join(lines)
 
@@ -136,7 +180,21 @@ def result_rows(results: Iterable[MethodResult]) -> list[dict[str, object]]:
     return [{"method": r.method, "dataset": r.dataset, "qid": r.qid, "answer": r.answer, "prediction": r.prediction,
              "parse_failed": r.parse_failed, "correct": r.correct, "f1": r.f1, "steps": len(r.steps),
              "prompt_tokens": r.prompt_tokens, "completion_tokens": r.completion_tokens, "latency_s": r.latency_s,
+             "truncated": r.truncated, "extra_answer_call": r.extra_answer_call,
+             "evidence_pair_recall": r.evidence_pair_recall, "evidence_answer_recall": r.evidence_answer_recall,
              "stats": json.dumps(r.stats, sort_keys=True, default=str)} for r in results]
+
+
+# Columns that can be null in every row of a partition (evidence recall on items without gold) keep their type.
+_NULLABLE_COLUMNS = {"evidence_pair_recall": pa.float64(), "evidence_answer_recall": pa.float64()}
+
+
+def _arrow_table(rows: Sequence[Mapping[str, object]]) -> pa.Table:
+    table = pa.Table.from_pylist(list(rows))
+    for i, column in enumerate(table.schema):
+        if pa.types.is_null(column.type) and column.name in _NULLABLE_COLUMNS:
+            table = table.set_column(i, column.name, table.column(i).cast(_NULLABLE_COLUMNS[column.name]))
+    return table
 
 
 def write_partition(warehouse: Warehouse, table: str, partition: str,
@@ -149,7 +207,7 @@ def write_partition(warehouse: Warehouse, table: str, partition: str,
         final = folder / f"{_safe(partition)}.parquet"
         staging = folder / f".{final.name}.tmp"
         try:
-            pq.write_table(pa.Table.from_pylist(list(rows)), staging, compression="zstd")
+            pq.write_table(_arrow_table(rows), staging, compression="zstd")
             staging.replace(final)
         except BaseException:
             staging.unlink(missing_ok=True)
@@ -160,7 +218,7 @@ def write_partition(warehouse: Warehouse, table: str, partition: str,
         staging = lake.staging_path(SCHEMA, name)
         try:
             with warehouse.scratch() as con:
-                con.register("partition_rows", pa.Table.from_pylist(list(rows)))
+                con.register("partition_rows", _arrow_table(rows))
                 con.execute(f"COPY partition_rows TO {sql_literal(staging)} (FORMAT parquet, COMPRESSION zstd)")
             final = lake.publish(staging, SCHEMA, name)
         except BaseException:

@@ -28,8 +28,10 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol
 from medgraph.kg.graph import Triple
 from medgraph.kg.qa import QaItem
 from medgraph.llm.base import ChatModel, GenerationConfig, Message, assistant, system, user
-from medgraph.methods.agent import Episode, Generate, Request, ToolCall, ToolOutput
+from medgraph.methods.agent import Episode, Generate, Request, ToolCall, ToolOutput, answer_call
 from medgraph.methods.common import (
+    EvidenceSeen,
+    FinalReply,
     Step,
     answer_instruction,
     finish_result,
@@ -72,7 +74,7 @@ class A2RagConfig:
 
 @dataclass
 class GsrmResult:
-    """The refined subgraph of one question and how it grew."""
+    """The refined subgraph of one question, how it grew, and how well it ranks the gold facts."""
 
     triples: list[tuple[Triple, float]]  # top-N, best first
     sizes: list[int]  # |G| at G_init and after each expansion
@@ -80,35 +82,68 @@ class GsrmResult:
     entities: list[str]  # E_q
     # All of G before the top-N cut, in the order triples joined: G after iteration k is subgraph[:sizes[k]].
     subgraph: list[Triple] = field(default_factory=list, repr=False)
-    gold_recall: float | None = None  # share of gold-path triples in the top-N (when gold is known)
-    subgraph_gold_recall: float | None = None  # ... anywhere in G before the top-N cut
-    recall_by_iteration: list[float] | None = None  # ... in G_init, then in G after each expansion
+    # cosine(emb(triple), emb(q)) of each subgraph triple (a triple's score does not depend on k); [] when
+    # the subgraph is already in rank order (the edge-search ablation).
+    scores: list[float] = field(default_factory=list, repr=False)
+    iterations: int = 0  # the configured K (refinement may stop earlier: G then stays as it is)
+    top_n: int | None = None  # the configured N (None: as many as returned)
+    gold_recall: float | None = None  # share of gold pairs connected by a triple of the top-N (when gold is known)
+    # Recall@10 and Recall@N of the ranked list of G_k, k = 0..K (the seed's measure; see `ranked_recall`).
+    recall_at10_by_iteration: list[float] | None = None
+    recall_atN_by_iteration: list[float] | None = None
+
+    def ranked(self, iteration: int) -> list[Triple]:
+        """G_k's triples, best score first (ties by edge id, as the top-N cut); G_K beyond the last expansion."""
+        size = self.sizes[min(iteration, len(self.sizes) - 1)] if self.sizes else len(self.subgraph)
+        triples = self.subgraph[:size]
+        if not self.scores:
+            return triples
+        order = sorted(range(len(triples)), key=lambda j: (-self.scores[j], triples[j].edge_id))
+        return [triples[j] for j in order]
+
+    def ranked_recall(self, pairs: Sequence[frozenset[str]], cutoffs: Sequence[int],
+                      iterations: int | None = None) -> dict[int, list[float]]:
+        """Recall@c for each cutoff c at k = 0..iterations (default: the configured K): the share of the
+        gold concept pairs that some triple among the top c of G_k's ranked list connects (either
+        direction, any relation)."""
+        last = self.iterations if iterations is None else iterations
+        curves: dict[int, list[float]] = {c: [] for c in cutoffs}
+        for k in range(last + 1):
+            ranked = self.ranked(k)
+            for cutoff in cutoffs:
+                curves[cutoff].append(_recall(pairs, ranked[:cutoff]))
+        return curves
 
     def stats(self) -> dict[str, object]:
         return {"gsrm_sizes": self.sizes, "gsrm_frontiers": self.frontier_sizes,
                 "gsrm_iterations": len(self.frontier_sizes), "gsrm_entities": len(self.entities),
                 "gsrm_returned": len(self.triples), "gsrm_gold_recall": self.gold_recall,
-                "gsrm_subgraph_gold_recall": self.subgraph_gold_recall,
-                "gsrm_recall_by_iteration": self.recall_by_iteration}
+                "gsrm_recall_at10_by_iteration": self.recall_at10_by_iteration,
+                "gsrm_recall_atN_by_iteration": self.recall_atN_by_iteration}
 
 
 def gsrm_refine(tools: KnowledgeTools, entity_sets: Sequence[Sequence[str]], queries: Sequence[str],
                 tau: float = 0.5, iterations: int = 2, top_n: int = 50,
                 per_relation_limit: int | None = None) -> list[GsrmResult]:
     """Graph self-refinement for a batch of questions: grow each 1-hop subgraph through the entities
-    of triples scoring >= tau, `iterations` times, then keep each question's top_n triples."""
+    of triples scoring >= tau, `iterations` times, then keep each question's top_n triples.
+
+    Each result keeps its whole subgraph in join order with every triple's score, so the ranked list
+    of G_k (and its Recall@c) is known for every k <= K from this one run."""
     query_vectors = tools.query_vectors(queries)
     graphs = [{t.edge_id: t for t in hop} for hop in tools.one_hop(entity_sets, per_relation_limit)]
     expanded = [set(entities) for entities in entity_sets]
-    results = [GsrmResult([], [len(g)], [], list(e)) for g, e in zip(graphs, entity_sets)]
+    results = [GsrmResult([], [len(g)], [], list(e), iterations=iterations, top_n=top_n)
+               for g, e in zip(graphs, entity_sets)]
+    scored: list[dict[str, float]] = [{} for _ in graphs]  # edge id -> score: each triple is scored once
     active = set(range(len(graphs)))
     for _ in range(iterations):
         tools.triple_vectors([t for i in active for t in graphs[i].values()])  # one encode for the batch
         frontiers: dict[int, set[str]] = {}
         for i in sorted(active):
-            triples = list(graphs[i].values())
-            scores = tools.score_triples(triples, query_vectors[i])
-            reached = {c for t, s in zip(triples, scores) if s >= tau for c in (t.src_cui, t.dst_cui)}
+            new = [t for t in graphs[i].values() if t.edge_id not in scored[i]]
+            scored[i].update(zip((t.edge_id for t in new), tools.score_triples(new, query_vectors[i]).tolist()))
+            reached = {c for t in graphs[i].values() if scored[i][t.edge_id] >= tau for c in (t.src_cui, t.dst_cui)}
             if reached - expanded[i]:
                 frontiers[i] = reached - expanded[i]
         active = set(frontiers)
@@ -123,30 +158,37 @@ def gsrm_refine(tools: KnowledgeTools, entity_sets: Sequence[Sequence[str]], que
     tools.triple_vectors([t for g in graphs for t in g.values()])
     for i, graph in enumerate(graphs):
         triples = list(graph.values())
-        scores = tools.score_triples(triples, query_vectors[i])
+        new = [t for t in triples if t.edge_id not in scored[i]]
+        scored[i].update(zip((t.edge_id for t in new), tools.score_triples(new, query_vectors[i]).tolist()))
+        scores = [float(scored[i][t.edge_id]) for t in triples]
         order = sorted(range(len(triples)), key=lambda j: (-scores[j], triples[j].edge_id))[:top_n]
-        results[i].triples = [(triples[j], float(scores[j])) for j in order]
-        results[i].subgraph = triples
+        results[i].triples = [(triples[j], scores[j]) for j in order]
+        results[i].subgraph, results[i].scores = triples, scores
     return results
 
 
 def record_gold_recall(tools: KnowledgeTools, results: Sequence[GsrmResult],
                        gold_paths: Sequence[Sequence[str] | None]) -> None:
-    """Set each result's recall of its gold-path triples, matched as (head, relation, tail) so that
-    a fact stored by two sources counts once."""
+    """Set each result's recall of its gold facts: the unordered concept pairs of its gold-path edges
+    (UMLS stores most facts in both directions and some under two relations; any triple joining the
+    pair counts). `gold_recall` is over the returned top-N; the by-iteration lists are Recall@10 and
+    Recall@N of the ranked list of G_k, k = 0..K."""
     wanted = {edge for path in gold_paths if path for edge in path}
-    keys = {t.edge_id: (t.src_cui, t.relation, t.dst_cui) for t in tools.retriever.graph.triples(wanted)}
+    pairs_of = {t.edge_id: frozenset((t.src_cui, t.dst_cui)) for t in tools.retriever.graph.triples(wanted)}
     for result, path in zip(results, gold_paths):
-        gold = {keys[e] for e in path or () if e in keys}
-        if not gold:
+        pairs = list(dict.fromkeys(pairs_of[e] for e in path or () if e in pairs_of))
+        if not pairs:
             continue
-        result.gold_recall = _recall(gold, [t for t, _ in result.triples])
-        result.subgraph_gold_recall = _recall(gold, result.subgraph)
-        result.recall_by_iteration = [_recall(gold, result.subgraph[:size]) for size in result.sizes]
+        top_n = result.top_n or len(result.triples)
+        result.gold_recall = _recall(pairs, [t for t, _ in result.triples])
+        curves = result.ranked_recall(pairs, (10, top_n))
+        result.recall_at10_by_iteration, result.recall_atN_by_iteration = curves[10], curves[top_n]
 
 
-def _recall(gold: set[tuple[str, str, str]], triples: Sequence[Triple]) -> float:
-    return len(gold & {(t.src_cui, t.relation, t.dst_cui) for t in triples}) / len(gold)
+def _recall(pairs: Sequence[frozenset[str]], triples: Sequence[Triple]) -> float:
+    """Share of the concept pairs that some triple connects (either direction, any relation)."""
+    connected = {frozenset((t.src_cui, t.dst_cui)) for t in triples}
+    return sum(pair in connected for pair in pairs) / len(pairs) if pairs else 0.0
 
 
 # --------------------------------------------------------------------------- prompts and parsing
@@ -168,6 +210,23 @@ AWC_DEMONSTRATION = (
 
 ANSWER_SYSTEM = "You are a medical expert. Answer the question; use the evidence when it is relevant."
 GRAPH_TOKENS_NOTE = " The knowledge-graph facts are also given as graph tokens after the question."
+PASSAGE_CHARS = 600  # characters of a passage the answer prompt shows
+
+
+def answer_conversation(item: QaItem, triples: Sequence[Triple], passages: Sequence[Passage],
+                        graph_tokens: bool = False) -> list[Message]:
+    """T_Final's prompt: the question, the knowledge-graph facts (`triples`, already cut to
+    `context_triples`) and the passages as text, and the answer instruction; the system prompt says
+    when graph tokens follow (HIIM). The HIIM projector trains and validates on this same prompt."""
+    sections = [format_question(item)]
+    if triples:
+        sections.append("Knowledge graph facts:\n" + format_triples(triples))
+    if passages:
+        sections.append("Text passages:\n" + format_passages([(p.title, p.text) for p in passages],
+                                                            max_chars=PASSAGE_CHARS))
+    sections.append(answer_instruction(item))
+    note = GRAPH_TOKENS_NOTE if graph_tokens else ""
+    return [system(ANSWER_SYSTEM + note), user("\n\n".join(sections))]
 
 _TOOL_NAMES = {"kg": T_KG, "text": T_TEXT, "final": T_FINAL, "answer": T_FINAL}
 _ACTION = re.compile(r"action\s*[:=]?\s*\**\s*(?:t[_\- ]?)?(kg|text|final|answer)\b\s*(?:[\[(](.*?)[\])])?",
@@ -265,8 +324,9 @@ class A2Rag:
                 stats["awc_forced_final"] = True
         stats["routing"] = routing_of(tools_used)
         stats["tools_used"] = sorted(tools_used)
-        reply = yield from self._answer(item, evidence, steps, stats)
-        return finish_result(self.name, item, reply, steps, stats)
+        seen = EvidenceSeen()
+        reply = yield from self._answer(item, evidence, steps, stats, seen)
+        return finish_result(self.name, item, reply, steps, stats, seen)
 
     def _decide(self, conversation: list[Message], index: int,
                 stats: dict[str, object]) -> Generator[Request, Any, tuple[Step, str]]:
@@ -321,29 +381,23 @@ class A2Rag:
         start = len(evidence.passages) - len(new) + 1
         return format_passages([(p.title, p.text) for p in new], start=start) if new else "(no new passages)"
 
-    def _answer(self, item: QaItem, evidence: _Evidence, steps: list[Step],
-                stats: dict[str, object]) -> Generator[Request, Any, str]:
-        """T_Final: one answer call with the evidence as text, plus graph tokens under HIIM."""
-        sections = [format_question(item)]
+    def _answer(self, item: QaItem, evidence: _Evidence, steps: list[Step], stats: dict[str, object],
+                seen: EvidenceSeen) -> Generator[Request, Any, FinalReply]:
+        """T_Final: one answer call with the evidence as text, plus graph tokens under HIIM; `seen`
+        gets what that call is shown (the text's triples and passages, and the graph tokens' triples)."""
         context = [t for t, _ in evidence.triples[: self.config.context_triples]]
-        if context:
-            sections.append("Knowledge graph facts:\n" + format_triples(context))
-        if evidence.passages:
-            sections.append("Text passages:\n" + format_passages([(p.title, p.text) for p in evidence.passages]))
-        sections.append(answer_instruction(item))
         tokens, stats["hiim"], reason = self._graph_tokens([t for t, _ in evidence.triples])
         if reason:
             stats["hiim_reason"] = reason
-        note = GRAPH_TOKENS_NOTE if tokens is not None else ""
-        conversation = [system(ANSWER_SYSTEM + note), user("\n\n".join(sections))]
-        completion = yield Generate(conversation, self.generation, graph_tokens=tokens)
-        steps.append(Step(
-            index=len(steps), action="answer",
+        seen.add_triples(context)
+        if tokens is not None:  # every retrieved triple reaches the model as a graph token
+            seen.add_triples(t for t, _ in evidence.triples)
+        seen.add_chunks([p.chunk_id for p in evidence.passages], PASSAGE_CHARS)
+        conversation = answer_conversation(item, context, evidence.passages, graph_tokens=tokens is not None)
+        return (yield from answer_call(
+            item, conversation, self.generation, steps, graph_tokens=tokens,
             arguments={"hiim": stats["hiim"], "graph_tokens": 0 if tokens is None else len(tokens)},
-            retrieved_ids=[t.edge_id for t in context], prompt_tokens=completion.prompt_tokens,
-            completion_tokens=completion.completion_tokens, latency_s=completion.latency_s, output=completion.text,
-        ))
-        return completion.text
+            retrieved_ids=[t.edge_id for t in context]))
 
     def _graph_tokens(self, triples: Sequence[Triple]) -> tuple[Tensor | None, str, str]:
         """(graph tokens or None, "graph-tokens" | "text-only", why text-only)."""

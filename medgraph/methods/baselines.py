@@ -18,8 +18,9 @@ from dataclasses import dataclass
 
 from medgraph.kg.qa import QaItem
 from medgraph.llm.base import ChatModel, GenerationConfig, Message, assistant, system, user
-from medgraph.methods.agent import Episode, Generate, ToolCall
+from medgraph.methods.agent import Episode, Generate, ToolCall, answer_call
 from medgraph.methods.common import (
+    EvidenceSeen,
     Step,
     answer_instruction,
     finish_result,
@@ -31,6 +32,7 @@ from medgraph.methods.common import (
 from medgraph.methods.tools import KnowledgeTools, Passage
 
 EXPERT = "You are a medical expert. Answer the question; use the evidence when it is relevant."
+PASSAGE_CHARS = 600  # characters of a passage a prompt shows
 
 
 @dataclass(frozen=True)
@@ -49,8 +51,10 @@ class ChainOfThought:
 
     def episode(self, item: QaItem) -> Episode:
         prompt = f"{format_question(item)}\n\nThink step by step, briefly. Then: {answer_instruction(item)}"
-        completion = yield Generate([system("You are a medical expert."), user(prompt)], self.generation)
-        return finish_result(self.name, item, completion.text, [step_from_completion(0, "answer", completion)])
+        steps: list[Step] = []
+        reply = yield from answer_call(item, [system("You are a medical expert."), user(prompt)], self.generation,
+                                       steps)
+        return finish_result(self.name, item, reply, steps)  # nothing retrieved: no evidence
 
 
 @dataclass(frozen=True)
@@ -90,15 +94,18 @@ class SingleRoundRag:
                       retrieved_ids=[p.chunk_id for p in passages] + [t.edge_id for t in triples],
                       latency_s=output.latency_s)]
         sections = [format_question(item)]
+        evidence = EvidenceSeen()
         if triples:
             sections.append("Knowledge graph facts:\n" + format_triples(triples))
+            evidence.add_triples(triples)
         if passages:
-            sections.append("Text passages:\n" + format_passages([(p.title, p.text) for p in passages]))
+            sections.append("Text passages:\n" + format_passages([(p.title, p.text) for p in passages],
+                                                                max_chars=PASSAGE_CHARS))
+            evidence.add_chunks([p.chunk_id for p in passages], PASSAGE_CHARS)
         steps[0].observation = "\n\n".join(sections[1:])
         sections.append(answer_instruction(item))
-        completion = yield Generate([system(EXPERT), user("\n\n".join(sections))], self.generation)
-        steps.append(step_from_completion(1, "answer", completion))
-        return finish_result(self.name, item, completion.text, steps)
+        reply = yield from answer_call(item, [system(EXPERT), user("\n\n".join(sections))], self.generation, steps)
+        return finish_result(self.name, item, reply, steps, evidence=evidence)
 
 
 @dataclass(frozen=True)
@@ -146,6 +153,7 @@ class IterativeRag:
             f"{config.queries_per_iteration} short search queries, one per line.")]
         seen: set[str] = set()
         numbered: list[Passage] = []
+        evidence = EvidenceSeen()  # every round's passages stay in the conversation
         for iteration in range(config.iterations):
             completion = yield Generate(list(conversation), self.generation)
             queries = parse_queries(completion.text, config.queries_per_iteration)
@@ -160,11 +168,12 @@ class IterativeRag:
             step.retrieved_ids = [p.chunk_id for p in found]
             start = len(numbered) + 1
             numbered += found
-            observation = format_passages([(p.title, p.text) for p in found], start=start) or "(no new passages)"
+            observation = format_passages([(p.title, p.text) for p in found], start=start,
+                                          max_chars=PASSAGE_CHARS) or "(no new passages)"
+            evidence.add_chunks([p.chunk_id for p in found], PASSAGE_CHARS)
             step.observation = observation
             more = ("Write more search queries, one per line, for what is still unclear."
                     if iteration + 1 < config.iterations else answer_instruction(item))
             conversation += [assistant(completion.text), user(f"Search results:\n{observation}\n\n{more}")]
-        completion = yield Generate(list(conversation), self.generation)
-        steps.append(step_from_completion(len(steps), "answer", completion))
-        return finish_result(self.name, item, completion.text, steps, {"iterations": config.iterations})
+        reply = yield from answer_call(item, list(conversation), self.generation, steps)
+        return finish_result(self.name, item, reply, steps, {"iterations": config.iterations}, evidence)

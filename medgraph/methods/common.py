@@ -3,7 +3,10 @@
 One prompt format, one answer parser and one scorer for all methods and
 baselines, so that differences between methods come from the methods. An
 answer that cannot be read is a parse failure, recorded as such and scored
-wrong; it is never mapped to a default option.
+wrong; it is never mapped to a default option. A result also says whether its
+answer reply was cut at the token budget (`truncated`, see
+`agent.answer_call`) and what evidence the answering call was shown
+(`EvidenceSeen`), from which evidence recall is computed after the run.
 """
 
 from __future__ import annotations
@@ -237,6 +240,91 @@ def gold_edge_ids(item: QaItem) -> tuple[str, ...] | None:
     return tuple(str(v) for v in value) if value else None
 
 
+def gold_pairs(item: QaItem) -> tuple[frozenset[str], ...] | None:
+    """The unordered concept pairs of the item's gold path (KG-derived items carry `gold_pairs`); None when
+    the item carries none (MIRAGE, PubMedQA, or a "no" question, whose fact is absent by design)."""
+    value = item.extra.get("gold_pairs")
+    pairs = tuple(frozenset(str(c) for c in pair) for pair in value or () if len(pair) == 2)
+    return pairs or None
+
+
+def answer_cuis(item: QaItem) -> tuple[str, ...] | None:
+    """The concepts of the correct answer (KG-derived items), or None when unknown or empty."""
+    value = item.extra.get("answer_cuis")
+    return tuple(str(c) for c in value) if value else None
+
+
+# --------------------------------------------------------------------------- evidence the answering model saw
+
+
+@dataclass
+class EvidenceSeen:
+    """What a method put in front of the model that gives the final answer, and nothing else: the
+    triples, chunks and concept texts of that call's context (for a conversation, of every turn
+    still in it). Evidence recall is computed from it after the run (`evidence_recall`)."""
+
+    triples: dict[str, tuple[str, str]] = field(default_factory=dict)  # edge id -> (src CUI, dst CUI)
+    chunks: dict[str, int | None] = field(default_factory=dict)  # chunk id -> characters shown (None: all)
+    concept_texts: dict[str, str] = field(default_factory=dict)  # CUI -> its text as shown
+    concepts: list[str] = field(default_factory=list)  # CUIs listed by name (search hits)
+    texts: list[str] = field(default_factory=list)  # any other text shown
+
+    def add_triples(self, triples: Iterable[Triple]) -> None:
+        self.triples.update((t.edge_id, (t.src_cui, t.dst_cui)) for t in triples)
+
+    def add_chunks(self, chunk_ids: Iterable[str], shown_chars: int | None = None) -> None:
+        """Chunks shown up to `shown_chars` characters (a passage cut for the prompt)."""
+        for chunk_id in chunk_ids:
+            before = self.chunks.get(chunk_id, 0)
+            self.chunks[chunk_id] = None if before is None or shown_chars is None else max(before, shown_chars)
+
+    def add_concept_text(self, cui: str, text: str) -> None:
+        self.concept_texts[cui] = f"{self.concept_texts[cui]}\n{text}" if cui in self.concept_texts else text
+
+    def add_concepts(self, cuis: Iterable[str]) -> None:
+        self.concepts += [c for c in cuis if c not in self.concepts]
+
+    def add_text(self, text: str) -> None:
+        if text.strip():
+            self.texts.append(text)
+
+    def add(self, other: EvidenceSeen) -> None:
+        """Everything `other` holds as well (evidence shown by several steps of one conversation)."""
+        self.triples.update(other.triples)
+        for chunk_id, shown_chars in other.chunks.items():
+            self.add_chunks([chunk_id], shown_chars)
+        for cui, text in other.concept_texts.items():
+            self.add_concept_text(cui, text)
+        self.add_concepts(other.concepts)
+        self.texts += other.texts
+
+    @property
+    def empty(self) -> bool:
+        return not (self.triples or self.chunks or self.concept_texts or self.concepts or self.texts)
+
+
+def evidence_recall(evidence: EvidenceSeen, pairs: Sequence[frozenset[str]] | None,
+                    answers: Sequence[str] | None, mention_sets: Sequence[set[str]]) -> tuple[float | None, float | None]:
+    """(pair recall, answer recall) of one result.
+
+    `mention_sets` are the concepts each shown text mentions (one set per chunk, per concept text
+    (including the concept itself), per free text). A gold pair {a, b} is covered when a shown triple
+    connects a and b (any relation, either direction) or one text mentions both; the answer is in
+    the evidence when one of its concepts is a triple's endpoint, a listed concept or mentioned.
+    None where the item has no gold pairs / answer concepts.
+    """
+    pair_recall = answer_recall = None
+    if pairs:
+        edges = {frozenset(ends) for ends in evidence.triples.values()}
+        covered = [pair in edges or any(pair <= mentioned for mentioned in mention_sets) for pair in pairs]
+        pair_recall = sum(covered) / len(covered)
+    if answers:
+        seen = {c for ends in evidence.triples.values() for c in ends} | set(evidence.concepts)
+        seen |= {c for mentioned in mention_sets for c in mentioned}
+        answer_recall = float(any(c in seen for c in answers))
+    return pair_recall, answer_recall
+
+
 # --------------------------------------------------------------------------- traces and results
 
 
@@ -270,6 +358,12 @@ class MethodResult:
     f1: float
     steps: list[Step]
     stats: dict[str, object] = field(default_factory=dict)
+    truncated: bool = False  # the answer reply hit its token budget without a readable answer
+    extra_answer_call: bool = False  # ... so the model was asked once more for just the answer
+    evidence_pair_recall: float | None = None  # set after the run (see `evidence_recall`)
+    evidence_answer_recall: float | None = None
+    # What the answering model was shown; kept out of `as_dict` and the traces (the steps hold it as text).
+    evidence: EvidenceSeen = field(default_factory=EvidenceSeen, repr=False)
 
     @property
     def prompt_tokens(self) -> int:
@@ -290,7 +384,7 @@ class MethodResult:
     def as_dict(self) -> dict[str, object]:
         """JSON-ready: every field plus the token and latency totals."""
         return {
-            **asdict(self),
+            **{k: v for k, v in asdict(self).items() if k != "evidence"},
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": self.completion_tokens,
             "latency_s": round(self.latency_s, 4),
@@ -306,14 +400,26 @@ def step_from_completion(index: int, action: str, completion: Completion,
                 output=completion.text, notes=notes)
 
 
-def finish_result(method: str, item: QaItem, reply: str | None, steps: list[Step],
-                  stats: Mapping[str, object] | None = None) -> MethodResult:
+@dataclass(frozen=True)
+class FinalReply:
+    """The reply an answer is read from, and whether it took a second call (see `agent.answer_call`)."""
+
+    text: str | None  # None: no answer was given
+    truncated: bool = False  # the answer reply was cut at its token budget without a readable answer
+    extra_answer_call: bool = False  # ... and the model was asked once more for just the answer
+
+
+def finish_result(method: str, item: QaItem, reply: str | FinalReply | None, steps: list[Step],
+                  stats: Mapping[str, object] | None = None,
+                  evidence: EvidenceSeen | None = None) -> MethodResult:
     """Parse the final reply, score it and package the run; `reply=None` means no answer was given."""
-    prediction = parse_answer(reply, item) if reply is not None else None
+    final = reply if isinstance(reply, FinalReply) else FinalReply(reply)
+    prediction = parse_answer(final.text, item) if final.text is not None else None
     correct, f1 = score_answer(item, prediction)
     return MethodResult(
         method=method, dataset=item.dataset, qid=item.qid, answer=item.answer, prediction=prediction,
         parse_failed=prediction is None, correct=correct, f1=f1, steps=steps, stats=dict(stats or {}),
+        truncated=final.truncated, extra_answer_call=final.extra_answer_call, evidence=evidence or EvidenceSeen(),
     )
 
 

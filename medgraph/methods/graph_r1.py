@@ -23,12 +23,13 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from medgraph.kg.graph import Triple
 from medgraph.kg.qa import QaItem
 from medgraph.llm.base import ChatModel, Completion, GenerationConfig, Message, assistant, system, user
-from medgraph.methods.agent import Episode, Generate, ToolCall
-from medgraph.methods.common import Step, finish_result, format_question
+from medgraph.methods.agent import Episode, Generate, ToolCall, complete_cut_answer
+from medgraph.methods.common import EvidenceSeen, Step, finish_result, format_question
 from medgraph.retrieval import Retriever
 
 ACTIONS = ("search", "traverse", "analyze", "answer")
@@ -132,6 +133,15 @@ class EnvStep:
     done: bool
     well_formed: bool
     retrieved_ids: tuple[str, ...] = ()
+    shown: EvidenceSeen | None = None  # what the observation put in the conversation (None: none shown)
+
+
+class _Outcome(NamedTuple):
+    """What an action returned: the observation text, the ids it retrieved, and the evidence it shows."""
+
+    observation: str | None = None  # None: no tool ran (an answer, or an unavailable action)
+    retrieved: tuple[str, ...] = ()
+    shown: EvidenceSeen | None = None
 
 
 class GraphR1Env:
@@ -171,10 +181,10 @@ class GraphR1Env:
             if state.done:
                 raise ValueError(f"episode {state.item.qid} is already done")
             parsed.append(parse_action(text))
-        outcomes: list[tuple[str | None, tuple[str, ...]]] = [(None, ())] * len(moves)
+        outcomes: list[_Outcome] = [_Outcome()] * len(moves)
         for i, p in enumerate(parsed):
             if p and p[0] in self.config.actions and not p[1]:
-                outcomes[i] = (f"(the <{p[0]}> tag is empty: write what to {p[0]} inside it)", ())
+                outcomes[i] = _Outcome(f"(the <{p[0]}> tag is empty: write what to {p[0]} inside it)")
         for action in TOOL_ACTIONS:
             ids = [i for i, p in enumerate(parsed)
                    if p and p[0] == action and action in self.config.actions and p[1]]
@@ -186,7 +196,7 @@ class GraphR1Env:
                 for (state, text), action, outcome in zip(moves, parsed, outcomes)]
 
     def _record(self, state: GraphR1State, text: str, parsed: tuple[str, str] | None,
-                outcome: tuple[str | None, tuple[str, ...]]) -> EnvStep:
+                outcome: _Outcome) -> EnvStep:
         """Advance one episode's state with its reply and observation."""
         action, argument = parsed or ("invalid", "")
         state.turns += 1
@@ -194,7 +204,7 @@ class GraphR1Env:
         well_formed = is_well_formed(text, (*self.config.actions, "answer"))
         state.well_formed.append(well_formed)
         state.messages.append(assistant(text))
-        observation, retrieved = outcome
+        observation, retrieved, shown = outcome
         if action == "answer":
             state.answer, state.done = argument, True
             return EnvStep(action, argument, None, True, well_formed)
@@ -209,19 +219,21 @@ class GraphR1Env:
         if state.turns == self.config.max_steps - 1:
             observation += "\nThis is your last turn: give the answer now with <answer>...</answer>."
         state.messages.append(user(f"<observation>\n{observation}\n</observation>"))
-        return EnvStep(action, argument, observation, False, well_formed, retrieved)
+        return EnvStep(action, argument, observation, False, well_formed, retrieved, shown)
 
     # -- actions (each over a batch of arguments) ----------------------------------------------------------
-    def _search(self, queries: list[str]) -> list[tuple[str, tuple[str, ...]]]:
+    def _search(self, queries: list[str]) -> list[_Outcome]:
         found = self.retriever.find_concepts(queries, k=self.config.search_k)
         names = self.retriever.nodes({c for row in found for c in row})
         outcomes = []
         for cuis in found:
-            lines = [f"{cui} {names[cui].name}" for cui in cuis if cui in names]
-            outcomes.append(("\n".join(lines) if lines else "(no matching concepts)", tuple(cuis)))
+            listed = [cui for cui in cuis if cui in names]
+            lines = [f"{cui} {names[cui].name}" for cui in listed]
+            shown = EvidenceSeen(concepts=listed)
+            outcomes.append(_Outcome("\n".join(lines) if lines else "(no matching concepts)", tuple(cuis), shown))
         return outcomes
 
-    def _traverse(self, arguments: list[str]) -> list[tuple[str, tuple[str, ...]]]:
+    def _traverse(self, arguments: list[str]) -> list[_Outcome]:
         targets = [refs[:1] for refs in self._node_references(arguments)]
         edges = self.retriever.one_hop(sorted({c for t in targets for c in t}))
         by_source: dict[str, list[Triple]] = {}
@@ -230,7 +242,7 @@ class GraphR1Env:
         outcomes = []
         for argument, target in zip(arguments, targets):
             if not target:
-                outcomes.append((f"(no concept {argument!r}; use a CUI from a search)", ()))
+                outcomes.append(_Outcome(f"(no concept {argument!r}; use a CUI from a search)"))
                 continue
             triples = by_source.get(target[0], [])
             shown = _every_relation_first(triples, self.config.traverse_limit)
@@ -238,17 +250,21 @@ class GraphR1Env:
             if len(triples) > len(shown):
                 lines.append(f"({len(triples) - len(shown)} more edges not shown)")
             text = "\n".join(lines) if lines else f"({target[0]} has no edges)"
-            outcomes.append((text, tuple(dict.fromkeys([target[0]] + [t.dst_cui for t in shown]))))
+            seen = EvidenceSeen()
+            seen.add_triples(shown)
+            outcomes.append(_Outcome(text, tuple(dict.fromkeys([target[0]] + [t.dst_cui for t in shown])), seen))
         return outcomes
 
-    def _analyze(self, arguments: list[str]) -> list[tuple[str, tuple[str, ...]]]:
+    def _analyze(self, arguments: list[str]) -> list[_Outcome]:
         targets = [refs[: self.config.analyze_max_nodes] for refs in self._node_references(arguments)]
         texts = self.retriever.node_texts({c for t in targets for c in t})
         outcomes = []
         for argument, target in zip(arguments, targets):
-            lines = [f"{cui}: {_cut(texts[cui], self.config.analyze_chars)}" for cui in target if cui in texts]
-            outcomes.append(("\n".join(lines) if lines else f"(no concept {argument!r}; use a CUI from a search)",
-                             tuple(target)))
+            shown = EvidenceSeen(concept_texts={cui: _cut(texts[cui], self.config.analyze_chars)
+                                                for cui in target if cui in texts})
+            lines = [f"{cui}: {text}" for cui, text in shown.concept_texts.items()]
+            outcomes.append(_Outcome("\n".join(lines) if lines else f"(no concept {argument!r}; use a CUI from a search)",
+                                     tuple(target), shown))
         return outcomes
 
     def _node_references(self, arguments: list[str]) -> list[list[str]]:
@@ -290,7 +306,9 @@ def _cut(text: str, limit: int) -> str:
 
 
 class GraphR1:
-    """Graph-R1 as an evaluated method: the environment driven by any chat model, in lockstep."""
+    """Graph-R1 as an evaluated method: the environment driven by any chat model, in lockstep. An
+    episode whose last reply was cut at its token budget without an answer gets one short extra call
+    for the answer alone (outside the environment, so rollouts and rewards are unchanged)."""
 
     name = "graph-r1"
 
@@ -303,8 +321,10 @@ class GraphR1:
     def episode(self, item: QaItem) -> Episode:
         state = self.env.reset(item)
         steps: list[Step] = []
+        seen = EvidenceSeen()  # every observation stays in the conversation the answer is given in
         while not state.done:
-            completion = yield Generate(list(state.messages), self.generation)
+            asked = list(state.messages)
+            completion = yield Generate(asked, self.generation)
             text = restore_stop(completion)
             output = yield ToolCall(self.env.step_batch, (state, text))
             outcome: EnvStep = output.value
@@ -315,10 +335,15 @@ class GraphR1:
                 latency_s=completion.latency_s + output.latency_s, output=text, observation=outcome.observation or "",
                 notes="" if outcome.well_formed else "ill-formed reply",
             ))
-        reply = f"<answer>{state.answer}</answer>" if state.answer is not None else None
+            if outcome.shown is not None:
+                seen.add(outcome.shown)
+        answer = f"<answer>{state.answer}</answer>" if state.answer is not None else None
+        # The episode (the RL environment's) is over; only a last reply cut at its budget without an
+        # answer is asked once more, outside the environment, for just the answer.
+        reply = yield from complete_cut_answer(item, asked, completion, self.generation, steps, answer)
         stats = {
-            "turns": state.turns, "truncated": state.truncated, "actions": state.actions,
+            "turns": state.turns, "out_of_turns": state.truncated, "actions": state.actions,
             "well_formed_turns": sum(state.well_formed), "format_ok": all(state.well_formed),
             "nodes_seen": len(state.nodes),
         }
-        return finish_result(self.name, item, reply, steps, stats)
+        return finish_result(self.name, item, reply, steps, stats, seen)

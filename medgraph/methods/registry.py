@@ -2,7 +2,9 @@
 
 Evaluation assets, the CLI and benchmarks all go through `run_method`, so a
 method is run the same way everywhere: batches of `batch_size` questions in
-lockstep (one model call per step), one shared set of retrieval tools.
+lockstep (one model call per step), one shared set of retrieval tools. After
+the run, each result's evidence recall is measured on what its answering call
+was shown (`record_evidence_recall`), which separates retrieval from reading.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from medgraph.methods.baselines import (
     RagConfig,
     SingleRoundRag,
 )
-from medgraph.methods.common import MethodResult
+from medgraph.methods.common import MethodResult, answer_cuis, evidence_recall, gold_pairs
 from medgraph.methods.graph_r1 import GraphR1, GraphR1Config
 from medgraph.methods.sema_rag import SemaRag, SemaRagConfig
 from medgraph.methods.tools import KnowledgeTools
@@ -71,9 +73,13 @@ ABLATIONS: dict[str, tuple[str, dict[str, object]]] = {
     "graph-r1-no-search": ("graph-r1", {"actions": ("traverse", "analyze")}),
     "graph-r1-no-traverse": ("graph-r1", {"actions": ("search", "analyze")}),
     "graph-r1-no-analyze": ("graph-r1", {"actions": ("search", "traverse")}),
+    # Training ablations: the same agent, another policy (medgraph.rl.policy.choose_policy picks it by name).
+    "graph-r1-no-sft": ("graph-r1", {}),  # the base LLM as policy: no SFT, no GRPO
+    "graph-r1-sft-only": ("graph-r1", {}),  # the SFT champion, no GRPO (skipped when none is registered)
     "sema-rag-no-i-agent": ("sema-rag", {"use_i_agent": False}),
     "sema-rag-no-e-agent": ("sema-rag", {"use_e_agent": False}),
     "sema-rag-no-a-agent": ("sema-rag", {"use_a_agent": False}),
+    "sema-rag-no-early-stop": ("sema-rag", {"early_stop": False}),
 }
 
 
@@ -126,4 +132,29 @@ def run_method(name: str, items: Sequence[QaItem], retriever: Retriever | Knowle
         results += run_lockstep([method.episode(item) for item in batch], llm)
     for result in results:
         result.method = name
+    record_evidence_recall(tools, items, results)
     return results
+
+
+def record_evidence_recall(tools: KnowledgeTools, items: Sequence[QaItem], results: Sequence[MethodResult]) -> None:
+    """Set each result's `evidence_pair_recall` and `evidence_answer_recall` (also in its stats) from
+    the evidence its answering call was shown: one mentions lookup for every shown chunk and one
+    dictionary pass over every other shown text. None where the item carries no gold pairs / answer
+    concepts (e.g. MIRAGE items)."""
+    gold = [(gold_pairs(item), answer_cuis(item)) for item in items]
+    measured = {i for i, (pairs, answers) in enumerate(gold) if pairs or answers}
+    shown_chunks = tools.chunk_mentions([c for i in measured for c in results[i].evidence.chunks])
+    texts = [(i, cui, text) for i in sorted(measured) for cui, text in results[i].evidence.concept_texts.items()]
+    texts += [(i, None, text) for i in sorted(measured) for text in results[i].evidence.texts]
+    in_texts: dict[int, list[set[str]]] = {}
+    for (i, cui, _), mentioned in zip(texts, tools.mentioned_concepts([t for _, _, t in texts]) if texts else []):
+        # A concept's own text is about that concept even where it never names it.
+        in_texts.setdefault(i, []).append(set(mentioned) | ({cui} if cui else set()))
+    for i, result in enumerate(results):
+        pair_recall = answer_recall = None
+        if i in measured:
+            in_chunks = [{cui for cui, end in shown_chunks.get(chunk_id, []) if limit is None or end <= limit}
+                         for chunk_id, limit in result.evidence.chunks.items()]
+            pair_recall, answer_recall = evidence_recall(result.evidence, *gold[i], in_chunks + in_texts.get(i, []))
+        result.evidence_pair_recall, result.evidence_answer_recall = pair_recall, answer_recall
+        result.stats.update(evidence_pair_recall=pair_recall, evidence_answer_recall=answer_recall)

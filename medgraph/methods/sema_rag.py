@@ -25,8 +25,10 @@ from typing import Any
 from medgraph.kg.graph import Triple
 from medgraph.kg.qa import QaItem
 from medgraph.llm.base import ChatModel, GenerationConfig, assistant, system, user
-from medgraph.methods.agent import Episode, Generate, Request, ToolCall
+from medgraph.methods.agent import Episode, Generate, Request, ToolCall, answer_call
 from medgraph.methods.common import (
+    EvidenceSeen,
+    FinalReply,
     Step,
     answer_instruction,
     as_string_list,
@@ -44,6 +46,9 @@ class SemaRagConfig:
     use_e_agent: bool = True
     use_a_agent: bool = True
     max_rounds: int = 3
+    # False: a "sufficient" judgment does not end the loop (the ablation the early-stop claim is measured
+    # against); a round with no new query still ends it, since there is nothing left to retrieve.
+    early_stop: bool = True
     max_queries_per_round: int = 3
     text_k: int = 3  # passages per query
     triples_per_round: int = 8
@@ -155,21 +160,28 @@ def _query_key(query: str) -> str:
 # --------------------------------------------------------------------------- evidence
 
 
+PASSAGE_CHARS = 500  # characters of a passage a source shows
+
+
 @dataclass
 class _Evidence:
-    """Numbered sources (passages and KG facts), each once."""
+    """Numbered sources (passages and KG facts), each once. Every source is in the answering
+    prompt (the evidence report's and the direct answer's), so `seen` holds them all."""
 
     sources: list[str] = field(default_factory=list)
     ids: list[str] = field(default_factory=list)
+    seen: EvidenceSeen = field(default_factory=EvidenceSeen)
 
     def add(self, passages: Sequence[Passage], triples: Sequence[Triple]) -> list[str]:
         new = []
-        for source_id, text in [(p.chunk_id, f"{p.title}: {_cut(p.text)}") for p in passages] + \
+        for source_id, text in [(p.chunk_id, f"{p.title}: {_cut(p.text, PASSAGE_CHARS)}") for p in passages] + \
                 [(t.edge_id, f"KG fact: {t.text}") for t in triples]:
             if source_id not in self.ids:
                 self.ids.append(source_id)
                 self.sources.append(text)
                 new.append(source_id)
+        self.seen.add_chunks([p.chunk_id for p in passages], PASSAGE_CHARS)
+        self.seen.add_triples(triples)
         return new
 
     def render(self, since: int = 0) -> str:
@@ -275,7 +287,7 @@ class SemaRag:
                                      {"sufficient": judgment.sufficient, "gap": judgment.gap,
                                       "queries": list(judgment.queries)},
                                      "" if judgment.sufficient is not None else "sufficiency not stated"))
-            if judgment.sufficient:
+            if judgment.sufficient and config.early_stop:
                 stop = "sufficient"
                 break
             fresh = [q for q in dict.fromkeys(judgment.queries) if _query_key(q) and _query_key(q) not in asked]
@@ -290,24 +302,20 @@ class SemaRag:
             "schema": schema.describe(), "schema_parsed": schema.parsed, "sources": len(evidence.ids),
         }
         reply = yield from self._answer(item, evidence, steps, stats)
-        return finish_result(self.name, item, reply, steps, stats)
+        return finish_result(self.name, item, reply, steps, stats, evidence.seen)
 
     def _answer(self, item: QaItem, evidence: _Evidence, steps: list[Step],
-                stats: dict[str, object]) -> Generator[Request, Any, str]:
+                stats: dict[str, object]) -> Generator[Request, Any, FinalReply]:
         """A-Agent: an evidence report, then one option; without it, a direct answer from the evidence."""
         context = f"{format_question(item)}\n\nEvidence:\n{evidence.render()}"
         if not self.config.use_a_agent:
-            completion = yield Generate([system(ANSWER_SYSTEM), user(f"{context}\n\n{answer_instruction(item)}")],
-                                        self.generation)
-            steps.append(step_from_completion(len(steps), "answer", completion))
-            return completion.text
+            conversation = [system(ANSWER_SYSTEM), user(f"{context}\n\n{answer_instruction(item)}")]
+            return (yield from answer_call(item, conversation, self.generation, steps))
         conversation = [system(A_SYSTEM), user(f"{context}\n\n{A_REPORT}")]
         report = yield Generate(conversation, self.generation)
         cited = sorted({int(n) for n in re.findall(r"\[(\d+)\]", report.text) if 0 < int(n) <= len(evidence.ids)})
         stats["cited_sources"] = cited
         steps.append(step_from_completion(len(steps), "a_agent_report", report, {"cited": cited}))
-        completion = yield Generate(conversation + [assistant(report.text), user(answer_instruction(item))],
-                                    self.generation)
-        steps.append(step_from_completion(len(steps), "answer", completion))
-        return completion.text
+        return (yield from answer_call(item, conversation + [assistant(report.text), user(answer_instruction(item))],
+                                       self.generation, steps))
 

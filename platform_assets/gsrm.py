@@ -1,0 +1,121 @@
+"""GSRM tuned and measured without the LLM: tau/K/N chosen on validation, Recall@10 by iteration on test."""
+
+from pathlib import Path
+
+import dagster as dg
+
+from medgraph.eval.evaluate import write_partition
+from medgraph.eval.gsrm import (
+    DEFAULT_ITERATIONS,
+    DEFAULT_TAUS,
+    DEFAULT_TOP_NS,
+    RECALL_CUTOFF,
+    RECALL_ITEMS_TABLE,
+    RECALL_TABLE,
+    choose_gsrm_params,
+    gsrm_recall_curves,
+    gsrm_recall_table_rows,
+    log_sweep,
+    measurable_items,
+    read_gsrm_params,
+    recall_markdown,
+    sweep_gsrm,
+    sweep_markdown,
+    write_gsrm_params,
+)
+from medgraph.kg.qa import QaItem, load_mirage
+from medgraph.methods.a2rag import A2RagConfig
+from medgraph.methods.tools import KnowledgeTools
+from medgraph.retrieval import Retriever
+from resources import EncoderResource, MlflowResource, WarehouseResource
+
+EMBEDDINGS = [dg.AssetKey(["embeddings", "edge_embeddings"]), dg.AssetKey(["embeddings", "node_embeddings"])]
+GSRM_PARAMS = dg.AssetKey(["models", "gsrm_params"])
+PARAMS_INPUTS = [dg.AssetKey(["qa", "qa_items"]), *EMBEDDINGS]
+
+
+class GsrmSweepConfig(dg.Config):
+    taus: list[float] = list(DEFAULT_TAUS)
+    iterations: list[int] = list(DEFAULT_ITERATIONS)
+    """Values of K; one GSRM run per tau at the largest K gives them all."""
+    top_ns: list[int] = list(DEFAULT_TOP_NS)
+    limit: int | None = None
+    """Validation items with gold pairs to use (taken in turn from each dataset and hop count); None: all."""
+    max_triples_per_relation: int | None = A2RagConfig.max_triples_per_relation
+    """A2RAG's hub guard per (entity, relation), so the sweep measures the subgraphs A2RAG builds."""
+    batch_size: int = 64
+
+
+def _items(home: Path, split: str, limit: int | None = None) -> list[QaItem]:
+    """The split's items with gold pairs (1- and 2-hop); `limit` of them, in turn from each (dataset, hops)."""
+    return measurable_items(load_mirage(home / "qa" / f"qa_items.{split}.json"), limit)
+
+
+@dg.asset(key=GSRM_PARAMS.path, deps=PARAMS_INPUTS, group_name="models", kinds={"mlflow", "json"},
+          pool="gpu", code_version="1", automation_condition=dg.AutomationCondition.eager())
+def gsrm_params(context: dg.AssetExecutionContext, config: GsrmSweepConfig, warehouse: WarehouseResource,
+                encoder: EncoderResource, mlflow_tracking: MlflowResource) -> dg.MaterializeResult:
+    """GSRM's tau, K and N chosen on the validation split by Recall@10 of the ranked triple list
+    (`medgraph.eval.gsrm.choose_gsrm_params`), written to `$MEDGRAPH_HOME/models/gsrm_params.json`."""
+    home = Path(warehouse.home)
+    items = _items(home, "validation", config.limit)
+    with Retriever(warehouse.open(), encoder.load()) as retriever, \
+            mlflow_tracking.start_asset_run(context, PARAMS_INPUTS) as run:
+        sweep = sweep_gsrm(KnowledgeTools(retriever), items, config.taus, config.iterations, config.top_ns,
+                           config.max_triples_per_relation, config.batch_size, progress=context.log.info)
+        choice = choose_gsrm_params(sweep.points)
+        path = write_gsrm_params(home, choice, sweep)
+        log_sweep(sweep, choice, path)
+        run_id = run.info.run_id
+    context.log.info(f"GSRM: tau={choice.tau} K={choice.iterations} N={choice.top_n}, "
+                     f"Recall@10 {choice.recall_at10:.3f} on {choice.n} validation items")
+    return dg.MaterializeResult(
+        metadata={"tau": choice.tau, "iterations": choice.iterations, "top_n": choice.top_n,
+                  "recall_at10": choice.recall_at10, "recall_at_n": choice.recall_at_n, "items": choice.n,
+                  "rule": choice.rule, "note": choice.note,
+                  "sweep": dg.MetadataValue.md(sweep_markdown(sweep, choice)),
+                  "seconds": round(sweep.seconds, 1), "triples_encoded": sweep.triples_encoded,
+                  "path": dg.MetadataValue.path(str(path)), "mlflow_run_id": run_id},
+        # Downstream re-runs only when the choice changes, not on every sweep.
+        data_version=dg.DataVersion(f"tau={choice.tau:g},K={choice.iterations},N={choice.top_n}"),
+    )
+
+
+class GsrmRecallConfig(dg.Config):
+    min_iterations: int = 3
+    """Report k = 0..max(K, this): k = 0..3 are always there (the seed's claims: a gain at K=2, flat at K=3)."""
+    limit: int | None = None
+    """Test items with gold pairs to measure (taken in turn from each dataset and hop count); None: every one."""
+    batch_size: int = 64
+
+
+@dg.asset(key=["eval", "gsrm_recall"], deps=[GSRM_PARAMS, dg.AssetKey(["qa", "qa_items"]), *EMBEDDINGS],
+          group_name="evaluation", kinds={"duckdb", "parquet"}, pool="gpu", code_version="1",
+          automation_condition=dg.AutomationCondition.eager())
+def gsrm_recall(context: dg.AssetExecutionContext, config: GsrmRecallConfig, warehouse: WarehouseResource,
+                encoder: EncoderResource) -> dg.MaterializeResult:
+    """Recall@10 and Recall@N of GSRM's ranked list for k = 0..max(K, 3) over every test item with gold
+    pairs, with the tuned tau and N: tables `eval.gsrm_recall` (means, s.e., n) and `eval.gsrm_recall_items`."""
+    home = Path(warehouse.home)
+    params = read_gsrm_params(home)
+    if params is None:
+        raise dg.Failure("no $MEDGRAPH_HOME/models/gsrm_params.json: materialize models/gsrm_params first")
+    tau, top_n = float(params["tau"]), int(params["top_n"])
+    items = _items(home, "test", config.limit)
+    store = warehouse.open()
+    hub_guard = params.get("max_triples_per_relation", A2RagConfig.max_triples_per_relation)  # as tuned
+    with Retriever(store, encoder.load()) as retriever:
+        curves = gsrm_recall_curves(KnowledgeTools(retriever), items, tau,
+                                    max(int(params["iterations"]), config.min_iterations),
+                                    sorted({RECALL_CUTOFF, top_n}), hub_guard, config.batch_size,
+                                    progress=context.log.info)
+    rows, item_rows = gsrm_recall_table_rows(curves, tau, top_n)
+    write_partition(store, RECALL_TABLE, "test", rows)
+    write_partition(store, RECALL_ITEMS_TABLE, "test", item_rows)
+    return dg.MaterializeResult(metadata={
+        "recall": dg.MetadataValue.md(recall_markdown(rows)), "items": len(curves), "tau": tau, "top_n": top_n,
+        "iterations_tuned": int(params["iterations"]), "table": f"eval.{RECALL_TABLE}",
+        "items_table": f"eval.{RECALL_ITEMS_TABLE}"})
+
+
+defs = dg.Definitions(assets=[gsrm_params, gsrm_recall])
