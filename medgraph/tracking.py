@@ -14,7 +14,7 @@ import os
 import re
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
@@ -38,9 +38,48 @@ def metric_name(name: str) -> str:
     return _UNSAFE_METRIC_CHARS.sub("_", name)
 
 
+# Every registered model of the platform, by what it is. Evaluation finds each by `<name>@champion`.
+MODEL_NAMES: dict[str, str] = {
+    "gat": "medgraph-gat",
+    "hiim_projector": "medgraph-hiim-projector",
+    "graph_r1_sft": "medgraph-graph-r1-sft",
+    "graph_r1_policy": "medgraph-graph-r1-policy",
+}
+
+
+@dataclass(frozen=True)
+class Gate:
+    """What a candidate must do to become champion: strictly improve `metric` and, for each metric of
+    `not_worse` (same direction), not get worse."""
+
+    metric: str
+    higher_is_better: bool = True
+    not_worse: tuple[str, ...] = ()
+
+    @property
+    def metrics(self) -> tuple[str, ...]:
+        return (self.metric, *self.not_worse)
+
+    def better(self, candidate: float, reference: float) -> bool:
+        return candidate > reference if self.higher_is_better else candidate < reference
+
+    def not_worse_than(self, candidate: float, reference: float) -> bool:
+        return candidate >= reference if self.higher_is_better else candidate <= reference
+
+
+@dataclass(frozen=True)
+class Baseline:
+    """The starting point a candidate was trained from (untrained GAT, base model, SFT start, text-only
+    answer), measured by the training code on the same validation items as the candidate. With no
+    champion yet, a candidate must beat it to become champion."""
+
+    name: str
+    values: Mapping[str, float]  # gate metric -> the baseline's value
+
+
 @dataclass(frozen=True)
 class Promotion:
-    """The outcome of a champion gate."""
+    """The outcome of a champion gate: the candidate against the champion, or, with none yet, the baseline."""
 
     model: str
     candidate_version: str
@@ -49,22 +88,38 @@ class Promotion:
     champion_value: float | None
     metric: str
     promoted: bool
+    baseline_name: str | None = None
+    baseline_value: float | None = None
+    # Every gate metric: (candidate, reference) where reference is the champion's or the baseline's value.
+    compared: Mapping[str, tuple[float, float | None]] = field(default_factory=dict)
+    verdict: str = ""
+
+    @property
+    def reference(self) -> str:
+        if self.champion_version is not None:
+            return f"champion v{self.champion_version}"
+        return f"baseline {self.baseline_name}" if self.baseline_name else "nothing (no champion, no baseline)"
 
     @property
     def reason(self) -> str:
-        if self.champion_version is None:
-            return f"no champion yet: version {self.candidate_version} becomes champion"
-        verdict = "beats" if self.promoted else "does not beat"
-        return (f"candidate v{self.candidate_version} {self.metric}={self.candidate_value:.4f} {verdict} "
-                f"champion v{self.champion_version} {self.metric}={self.champion_value:.4f}")
+        if self.champion_version is None and self.baseline_name is None:
+            return f"no champion yet and no baseline given: version {self.candidate_version} becomes champion unchecked"
+        numbers = "; ".join(f"{m}={c:.4f} vs {'n/a' if r is None else f'{r:.4f}'}"
+                            for m, c, r in ((m, *v) for m, v in self.compared.items()))
+        outcome = "promoted" if self.promoted else "not promoted"
+        return f"candidate v{self.candidate_version} vs {self.reference}: {numbers}: {self.verdict} ({outcome})"
 
     def as_metadata(self) -> dict[str, object]:
+        nan = float("nan")
         return {
             "champion_gate_metric": self.metric,
             "candidate_version": self.candidate_version,
             "candidate_value": self.candidate_value,
             "previous_champion_version": self.champion_version or "none",
-            "previous_champion_value": self.champion_value if self.champion_value is not None else float("nan"),
+            "previous_champion_value": self.champion_value if self.champion_value is not None else nan,
+            "baseline_name": self.baseline_name or "none",
+            "baseline_value": self.baseline_value if self.baseline_value is not None else nan,
+            "gate_reference": self.reference,
             "promoted": self.promoted,
             "decision": self.reason,
         }
@@ -149,32 +204,83 @@ class Tracking:
         except MlflowException:
             return None
 
-    def promote_if_better(self, name: str, version: str, metric: str, higher_is_better: bool = True,
-                          alias: str = CHAMPION) -> Promotion:
-        """Move `alias` to `version` only if it beats the current holder on `metric`
-        (strictly: a tie keeps the champion). Logs the decision on the candidate's run."""
+    def register_and_gate(self, model_uri: str, name: str, gate: Gate, baseline: Baseline,
+                          tags: Mapping[str, str] | None = None) -> tuple[str, Promotion]:
+        """Register a logged model as a new version of `name` and run its champion gate: (version, decision)."""
+        version = self.register(model_uri, name, tags)
+        return version, self.promote_if_better(name, version, gate, baseline=baseline)
+
+    def metrics_of(self, name: str, version: str) -> dict[str, float]:
+        run_id = self.client.get_model_version(name, version).run_id
+        return {k: float(v) for k, v in self.client.get_run(run_id).data.metrics.items()}
+
+    def promote_if_better(self, name: str, version: str, gate: Gate | str, higher_is_better: bool = True,
+                          alias: str = CHAMPION, *, baseline: Baseline | None = None) -> Promotion:
+        """Move `alias` to `version` only if it passes `gate` against the current holder, or, with no holder
+        yet, against `baseline` (the starting point it was trained from). Strict on the gate's metric: a tie
+        keeps the champion, and a candidate that only equals its baseline does not become champion.
+
+        The decision, every compared number and the baseline's name are logged on the candidate's run
+        (`champion_gate.*` tags and metrics) and on the model version's tags. A gate given as a metric
+        name is `Gate(metric, higher_is_better)`. Without a baseline and a champion the candidate is
+        promoted unchecked (logged as such); every platform model passes its baseline.
+        """
+        gate = gate if isinstance(gate, Gate) else Gate(gate, higher_is_better)
         client = self.client
-        candidate = self.metric_of(name, version, metric)
+        candidate = self.metrics_of(name, version)
+        if gate.metric not in candidate:
+            raise KeyError(f"run of {name} v{version} has no metric {gate.metric!r}")
         current = self.champion_version(name, alias)
-        current_value = self.metric_of(name, current, metric) if current is not None else None
-        if current is None:
-            promoted = True
-        elif current == version:
-            promoted = False
-        else:
-            promoted = candidate > current_value if higher_is_better else candidate < current_value
-        promotion = Promotion(name, version, candidate, current, current_value, metric, promoted)
+        champion = self.metrics_of(name, current) if current is not None else None
+        if champion is not None and gate.metric not in champion:
+            raise KeyError(f"run of {name} v{current} has no metric {gate.metric!r}")
+        reference = champion if champion is not None else (dict(baseline.values) if baseline else None)
+        compared = {m: (candidate[m], None if reference is None else reference.get(m))
+                    for m in gate.metrics if m in candidate}
+        promoted, verdict = self._judge(gate, compared, reference, current == version)
+        promotion = Promotion(
+            name, version, candidate[gate.metric], current, None if champion is None else champion[gate.metric],
+            gate.metric, promoted, baseline.name if baseline else None,
+            baseline.values.get(gate.metric) if baseline else None, compared, verdict)
         if promoted:
             client.set_registered_model_alias(name, alias, version)
         run_id = client.get_model_version(name, version).run_id
-        client.set_tag(run_id, "champion_gate.decision", promotion.reason)
-        client.set_tag(run_id, "champion_gate.promoted", str(promoted).lower())
-        client.log_metric(run_id, f"champion_gate.candidate_{metric}", candidate)
-        if current_value is not None:
-            client.log_metric(run_id, f"champion_gate.champion_{metric}", current_value)
+        tags = {"champion_gate.decision": promotion.reason, "champion_gate.promoted": str(promoted).lower(),
+                "champion_gate.reference": promotion.reference,
+                "champion_gate.baseline": baseline.name if baseline else "none"}
+        for key, value in tags.items():
+            client.set_tag(run_id, key, value)
+        for metric, (value, _) in compared.items():
+            client.log_metric(run_id, f"champion_gate.candidate_{metric}", value)
+            if champion is not None and metric in champion:
+                client.log_metric(run_id, f"champion_gate.champion_{metric}", champion[metric])
+            if baseline is not None and metric in baseline.values:
+                client.log_metric(run_id, f"champion_gate.baseline_{metric}", float(baseline.values[metric]))
         client.set_model_version_tag(name, version, "champion_gate", promotion.reason)
+        client.set_model_version_tag(name, version, "champion_gate.baseline", tags["champion_gate.baseline"])
+        client.set_model_version_tag(name, version, "champion_gate.promoted", tags["champion_gate.promoted"])
         log.info("%s: %s", name, promotion.reason)
         return promotion
+
+    @staticmethod
+    def _judge(gate: Gate, compared: Mapping[str, tuple[float, float | None]],
+               reference: Mapping[str, float] | None, is_champion: bool) -> tuple[bool, str]:
+        """(promoted, why) for the compared (candidate, reference) values of each gate metric."""
+        if is_champion:
+            return False, "already champion"
+        if reference is None:
+            return True, "no champion and no baseline"
+        missing = [m for m in gate.metrics if m not in compared or compared[m][1] is None]
+        if missing:
+            return False, f"no reference value for {', '.join(missing)}"
+        value, ref = compared[gate.metric]
+        if not gate.better(value, ref):
+            return False, f"{gate.metric} does not beat the reference"
+        worse = [m for m in gate.not_worse if not gate.not_worse_than(*compared[m])]
+        if worse:
+            return False, f"{gate.metric} is better but {', '.join(worse)} got worse"
+        guards = f" and {', '.join(gate.not_worse)} not worse" if gate.not_worse else ""
+        return True, f"{gate.metric} beats the reference{guards}"
 
     def model_uri(self, name: str, alias: str = CHAMPION) -> str:
         return f"models:/{name}@{alias}"

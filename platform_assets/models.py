@@ -2,8 +2,10 @@
 
 Each model asset trains, logs to MLflow (`medgraph/<asset>`), registers a new
 version and moves the `champion` alias only if that version beats the
-current champion on the validation metric. Evaluation loads models by alias,
-so a worse retraining run is recorded but changes nothing downstream.
+current champion on the validation metric or, with none yet, the baseline it
+starts from, measured on the same validation items (`Tracking.register_and_gate`):
+the untrained GAT, A2RAG's text-only answer. Evaluation loads models by
+alias, so a worse retraining run is recorded but changes nothing downstream.
 """
 
 import hashlib
@@ -14,20 +16,25 @@ from pathlib import Path
 import dagster as dg
 import mlflow
 
+from medgraph.eval.gsrm import tuned_a2rag_config
 from medgraph.gnn.graph_tokens import (
-    PROJECTOR_GATE_METRIC,
+    PROJECTOR_GATE,
     PROJECTOR_MODEL_NAME,
+    TEXT_ONLY_BASELINE,
     NodeFeatures,
     ProjectorConfig,
-    load_examples,
+    projector_examples,
     train_projector,
 )
 from medgraph.gnn.train import FEATURE_TABLE, GatConfig, GatResult, pick_device, train_gat
+from medgraph.methods.tools import KnowledgeTools
+from medgraph.retrieval import Retriever
 from medgraph.settings import load_settings
-from resources import LlmResource, MlflowResource, WarehouseResource
+from medgraph.tracking import MODEL_NAMES, Baseline, Gate
+from resources import EncoderResource, LlmResource, MlflowResource, WarehouseResource
 
-GAT_MODEL_NAME = "medgraph-gat"
-GAT_GATE_METRIC = "valid_roc_auc"
+GAT_MODEL_NAME = MODEL_NAMES["gat"]
+GAT_GATE = Gate("valid_roc_auc")
 GAT_INPUTS = [dg.AssetKey(["kg", "kg_edges"]), dg.AssetKey(["embeddings", FEATURE_TABLE]),
               dg.AssetKey("umls_release")]
 
@@ -97,8 +104,8 @@ def _curve_figure(result: GatResult):  # -> matplotlib Figure
 def gat_model(context: dg.AssetExecutionContext, config: GatTrainingConfig, warehouse: WarehouseResource,
               mlflow_tracking: MlflowResource) -> dg.MaterializeResult:
     """A 2-layer GAT pretrained by triple classification on `kg.kg_edges` (relation-free node
-    descriptions as features), registered as MLflow model `medgraph-gat`; `champion` moves only
-    on a better validation ROC-AUC."""
+    descriptions as features), registered as MLflow model `medgraph-gat`; `champion` moves only on a
+    better validation ROC-AUC than the champion's or, with none, than the same GAT untrained."""
     gat_config = config.gat_config()
     store = warehouse.open()
     tracking = mlflow_tracking.tracking()
@@ -122,8 +129,10 @@ def gat_model(context: dg.AssetExecutionContext, config: GatTrainingConfig, ware
         logged_uri = tracking.log_torch_model(result.model, metadata={
             "relations": len(result.relations), "feature_table": result.model.feature_table,
             "feature_encoder_id": result.model.feature_encoder_id})
-        version = tracking.register(logged_uri, GAT_MODEL_NAME, tags={"dagster/run_id": context.run.run_id})
-        promotion = tracking.promote_if_better(GAT_MODEL_NAME, version, GAT_GATE_METRIC)
+        untrained = Baseline("untrained GAT (same architecture and seed)",
+                             {"valid_roc_auc": result.metrics["valid_roc_auc_untrained"]})
+        version, promotion = tracking.register_and_gate(logged_uri, GAT_MODEL_NAME, GAT_GATE, untrained,
+                                                        tags={"dagster/run_id": context.run.run_id})
         run_id = run.info.run_id
     shutil.rmtree(checkpoints, ignore_errors=True)  # the model is in MLflow; checkpoints only serve a retry
     context.log.info(promotion.reason)
@@ -148,23 +157,29 @@ def gat_model(context: dg.AssetExecutionContext, config: GatTrainingConfig, ware
 
 
 PROJECTOR_INPUTS = [dg.AssetKey(["models", "gat_model"]), dg.AssetKey(["qa", "qa_items"]),
-                    dg.AssetKey(["embeddings", FEATURE_TABLE])]
+                    dg.AssetKey(["embeddings", FEATURE_TABLE]), dg.AssetKey(["embeddings", "node_embeddings"]),
+                    dg.AssetKey(["embeddings", "edge_embeddings"]),  # these two: GSRM retrieval, as in A2RAG
+                    dg.AssetKey(["models", "gsrm_params"])]  # ... with the tau, K, N evaluation uses
 
 
 class ProjectorTrainingConfig(dg.Config):
     profile: str | None = None
-    """tiny | demo | full (default: MEDGRAPH_PROFILE): steps, batch size, validation questions."""
+    """tiny | demo | full (default: MEDGRAPH_PROFILE): steps, batch size, training and validation questions."""
     steps: int | None = None
     batch_size: int | None = None
+    train_items: int | None = None
     valid_items: int | None = None
+    graph_triples: str = "gsrm"
+    """gsrm: the triples A2RAG's GSRM retrieves (what HIIM sees in evaluation); gold_path: gold path plus
+    distractors (an experiment: its gate then does not measure HIIM inside A2RAG)."""
     seed: int = 0
 
     def projector_config(self) -> ProjectorConfig:
-        overrides = {name: value for name, value in
-                     {"steps": self.steps, "batch_size": self.batch_size, "valid_items": self.valid_items}.items()
-                     if value is not None}
+        overrides = {name: value for name, value in {"steps": self.steps, "batch_size": self.batch_size,
+                                                     "train_items": self.train_items,
+                                                     "valid_items": self.valid_items}.items() if value is not None}
         return ProjectorConfig.profile(self.profile or load_settings().profile, seed=self.seed, progress=True,
-                                       **overrides)
+                                       graph_triples=self.graph_triples, **overrides)
 
 
 @dg.asset(
@@ -173,60 +188,47 @@ class ProjectorTrainingConfig(dg.Config):
     group_name="models",
     kinds={"pytorch", "mlflow"},
     pool="gpu",
-    code_version="1",
+    code_version="2",
     tags={"medgraph/accelerator": "gpu"},
     automation_condition=dg.AutomationCondition.eager(),
 )
 def hiim_projector(context: dg.AssetExecutionContext, config: ProjectorTrainingConfig, warehouse: WarehouseResource,
-                   mlflow_tracking: MlflowResource, llm: LlmResource) -> dg.MaterializeResult:
-    """HIIM's W_proj: champion-GAT triple vectors -> the LLM's input-embedding space, trained on the
-    answer likelihood of `qa_items` (train split) with the LLM frozen; registered as
-    `medgraph-hiim-projector`, `champion` moving only on a lower validation answer NLL."""
+                   encoder: EncoderResource, mlflow_tracking: MlflowResource, llm: LlmResource) -> dg.MaterializeResult:
+    """HIIM's W_proj: champion-GAT triple vectors -> the LLM's input-embedding space, trained (LLM frozen) on
+    the answer likelihood of `qa_items` (train split) under A2RAG's answer prompt with GSRM's triples;
+    registered as `medgraph-hiim-projector`, `champion` moving only on a lower validation answer NLL than
+    the champion's or, with none, than A2RAG's text-only answer on the same triples."""
     projector_config = config.projector_config()
-    store = warehouse.open()
-    tracking = mlflow_tracking.tracking()
+    store, tracking = warehouse.open(), mlflow_tracking.tracking()
     gat_version = tracking.champion_version(GAT_MODEL_NAME)
     if gat_version is None:
         raise dg.Failure(f"no {GAT_MODEL_NAME}@champion in {tracking.tracking_uri}: materialize models/gat_model first")
     gat_uri = f"models:/{GAT_MODEL_NAME}/{gat_version}"  # pinned: the projector only fits this GAT
     chat = llm.load()
-    with mlflow_tracking.start_asset_run(context, PROJECTOR_INPUTS) as run:
-        mlflow.log_params({**{k: str(v) for k, v in projector_config.as_dict().items()},
-                           "gat_model_uri": gat_uri, "llm": chat.name})
+    with Retriever(store, encoder.load()) as retriever, mlflow_tracking.start_asset_run(context, PROJECTOR_INPUTS) as run:
+        mlflow.log_params({**projector_config.as_dict(), "gat_model_uri": gat_uri, "llm": chat.name})
         gat = mlflow.pytorch.load_model(gat_uri, map_location="cpu")
-        train_examples = load_examples(store, "train", projector_config)
-        valid_examples = load_examples(store, "validation", projector_config)
-        context.log.info(f"projector: {len(train_examples)} train / {len(valid_examples)} validation questions, "
-                         f"GAT {gat_uri}, LLM {chat.name}")
-
-        def log_metrics(step: int, metrics: dict[str, float]) -> None:
-            mlflow.log_metrics(metrics, step=step)
-
-        result = train_projector(chat, gat, NodeFeatures(store.lake, gat.feature_table), train_examples,
-                                 valid_examples, projector_config, log_fn=log_metrics)
+        train, valid = projector_examples(store, KnowledgeTools(retriever), projector_config,
+                                          tuned_a2rag_config(Path(warehouse.home)))
+        context.log.info(f"projector: {len(train)} train / {len(valid)} validation questions "
+                         f"({projector_config.graph_triples} triples), GAT {gat_uri}, LLM {chat.name}")
+        result = train_projector(chat, gat, NodeFeatures(store.lake, gat.feature_table), train, valid,
+                                 projector_config, log_fn=lambda step, metrics: mlflow.log_metrics(metrics, step=step))
         result.projector.gat_model_uri = gat_uri
         mlflow.log_metrics(result.metrics)
         mlflow.log_dict({"history": result.history, "examples": result.examples}, "training.json")
         logged_uri = tracking.log_torch_model(result.projector, metadata={"llm": chat.name, "gat_model_uri": gat_uri})
-        version = tracking.register(logged_uri, PROJECTOR_MODEL_NAME, tags={"dagster/run_id": context.run.run_id,
-                                                                            "llm": chat.name})
-        promotion = tracking.promote_if_better(PROJECTOR_MODEL_NAME, version, PROJECTOR_GATE_METRIC,
-                                               higher_is_better=False)
+        text_only = Baseline(TEXT_ONLY_BASELINE, {"valid_answer_nll": result.metrics["valid_answer_nll_text_only"]})
+        version, promotion = tracking.register_and_gate(logged_uri, PROJECTOR_MODEL_NAME, PROJECTOR_GATE, text_only,
+                                                        tags={"dagster/run_id": context.run.run_id, "llm": chat.name})
         run_id = run.info.run_id
     context.log.info(promotion.reason)
-    champion = tracking.champion_version(PROJECTOR_MODEL_NAME)
     return dg.MaterializeResult(
-        metadata={
-            "mlflow_run_id": run_id,
-            "model_uri": f"models:/{PROJECTOR_MODEL_NAME}/{version}",
-            "model_version": version,
-            "gat_model_uri": gat_uri,
-            "llm": chat.name,
-            **promotion.as_metadata(),
-            **result.metrics,
-            **{f"{k}_questions": v for k, v in result.examples.items()},
-        },
-        data_version=dg.DataVersion(f"{PROJECTOR_MODEL_NAME}@champion=v{champion}"),
+        metadata={"mlflow_run_id": run_id, "model_uri": f"models:/{PROJECTOR_MODEL_NAME}/{version}",
+                  "model_version": version, "gat_model_uri": gat_uri, "llm": chat.name,
+                  "graph_triples": projector_config.graph_triples, **promotion.as_metadata(), **result.metrics,
+                  **{f"{k}_questions": v for k, v in result.examples.items()}},
+        data_version=dg.DataVersion(f"{PROJECTOR_MODEL_NAME}@champion=v{tracking.champion_version(PROJECTOR_MODEL_NAME)}"),
     )
 
 

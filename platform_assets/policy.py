@@ -1,12 +1,16 @@
 """The Graph-R1 policy: cold-start SFT on gold-path demonstrations, then GRPO in the KG environment.
 
-`graph_r1_sft` logs its policy in its MLflow run (not in the registry: it is
-a starting point, not a candidate); its data version is that model's URI,
-which `graph_r1_policy` reads back from the SFT materialization. The policy
-asset registers each trained version as `medgraph-graph-r1-policy` and moves
-`champion` only when it beats the champion's validation accuracy (same
-profile and seed: the same validation questions). Its data version is the
-champion's version, so a run that loses the gate triggers nothing downstream.
+`graph_r1_sft` registers its policy as `medgraph-graph-r1-sft`, `champion`
+moving only when it beats the champion or, with none, the base model on the
+same validation questions (evaluation falls back to the SFT champion when no
+GRPO policy is champion); its data version is the logged model's URI, which
+`graph_r1_policy` reads back from the SFT materialization and trains from.
+The policy asset registers each trained version as `medgraph-graph-r1-policy`
+and moves `champion` only when it beats the champion or, with none, its SFT
+start as validated at step 0 (same profile and seed: the same validation
+questions). Both gates: validation reward strictly higher and accuracy not
+lower (medgraph/rl/policy.py). The policy's data version is the champion's
+version, so a run that loses the gate triggers nothing downstream.
 """
 
 import shutil
@@ -20,7 +24,16 @@ from medgraph.methods.graph_r1 import GraphR1Env
 from medgraph.retrieval import Retriever
 from medgraph.rl.grpo import GrpoConfig, resume_dir, train_grpo, training_curves_figure
 from medgraph.rl.model import autocast, save_policy
-from medgraph.rl.policy import POLICY_GATE_METRIC, POLICY_MODEL_NAME, download_checkpoint, log_policy
+from medgraph.rl.policy import (
+    POLICY_GATE,
+    POLICY_MODEL_NAME,
+    SFT_GATE,
+    SFT_MODEL_NAME,
+    base_model_baseline,
+    download_checkpoint,
+    log_policy,
+    sft_start_baseline,
+)
 from medgraph.rl.rollout import evaluate
 from medgraph.rl.sft import SftConfig, expert_demonstrations, load_qa_items, train_sft
 from medgraph.settings import load_settings
@@ -54,7 +67,8 @@ class GraphR1SftConfig(_TrainingConfig):
     train_items: int | None = None
     """Training questions the expert tries to demonstrate (some are dropped)."""
     evaluate_base: bool = True
-    """Score the base model on the validation questions too (the 'before' of the report)."""
+    """Score the base model on the validation questions too (the 'before' of the report); always done
+    while no SFT policy is champion, since the gate then compares with it."""
 
     def sft_config(self) -> SftConfig:
         return self._profile_settings(SftConfig, "train_items")
@@ -86,35 +100,44 @@ def graph_r1_sft(context: dg.AssetExecutionContext, config: GraphR1SftConfig, wa
                  encoder: EncoderResource, llm: LlmResource, mlflow_tracking: MlflowResource) -> dg.MaterializeResult:
     """Cold start: the base LLM fine-tuned on expert episodes that walk each training question's gold
     path through the real environment (observations masked out of the loss); validation reward and
-    accuracy of the base model and of the SFT policy; the policy logged in MLflow."""
+    accuracy of the base model and of the SFT policy; registered as `medgraph-graph-r1-sft`, gated
+    against the champion or, with none, the base model."""
     sft_config = config.sft_config()
-    store, base = warehouse.open(), _base_model(llm)
+    store, base, tracking = warehouse.open(), _base_model(llm), mlflow_tracking.tracking()
+    evaluate_base = config.evaluate_base or tracking.champion_version(SFT_MODEL_NAME) is None
     out = Path(warehouse.home) / "checkpoints" / "graph_r1_sft" / context.run.run_id
     with Retriever(store, encoder.load()) as retriever, mlflow_tracking.start_asset_run(context, ENV_INPUTS) as run:
         env = GraphR1Env(retriever, sft_config.graph_r1)
         valid = load_qa_items(store, "validation", sft_config.valid_items, sft_config.seed)
+        if not valid:
+            raise dg.Failure("no validation questions: the champion gate needs them (qa/qa_items split 'validation')")
         demos = expert_demonstrations(env, load_qa_items(store, "train", sft_config.train_items, sft_config.seed))
         context.log.info(f"SFT: {demos.as_metadata()}; {len(valid)} validation questions")
         mlflow.log_params({**{k: str(v) for k, v in sft_config.as_dict().items()}, "base_model": base.name})
         mlflow.log_metrics(demos.as_metadata())
         with autocast(base.device, sft_config.bf16, generation=True):
-            before = evaluate(base, env, valid) if config.evaluate_base and valid else {}
+            before = evaluate(base, env, valid) if evaluate_base else {}
         result = train_sft(base.model_dir, demos.states, sft_config, name=f"graph-r1-sft-{base.name}",
                            log_fn=lambda step, metrics: mlflow.log_metrics(metrics, step=step))
         with autocast(result.policy.device, sft_config.bf16, generation=True):
-            after = evaluate(result.policy, env, valid) if valid else {}
+            after = evaluate(result.policy, env, valid)
         metrics = {**_prefixed(before, "valid_base_"), **_prefixed(after, "valid_"), **result.metrics}
         mlflow.log_metrics(metrics)
         save_policy(result.policy, out)
         model_uri = log_policy(out, result.policy.name, metadata={"base_model": base.name,
                                                                   "graph_r1_config": sft_config.as_dict()})
+        version, promotion = tracking.register_and_gate(model_uri, SFT_MODEL_NAME, SFT_GATE,
+                                                        base_model_baseline(before, base.name),
+                                                        tags={"dagster/run_id": context.run.run_id})
         run_id = run.info.run_id
     shutil.rmtree(out, ignore_errors=True)  # the checkpoint is in MLflow now
     context.log.info(f"SFT validation reward {after.get('reward', float('nan')):.3f} "
-                     f"(base {before.get('reward', float('nan')):.3f}) on {len(valid)} questions")
+                     f"(base {before.get('reward', float('nan')):.3f}) on {len(valid)} questions; {promotion.reason}")
     return dg.MaterializeResult(
         metadata={"mlflow_run_id": run_id, "model_uri": model_uri, "base_model": base.name,
-                  "validation_questions": len(valid), "seed": sft_config.seed, **demos.as_metadata(), **metrics},
+                  "registered_model": SFT_MODEL_NAME, "model_version": version,
+                  "validation_questions": len(valid), "seed": sft_config.seed, **demos.as_metadata(), **metrics,
+                  **promotion.as_metadata()},
         data_version=dg.DataVersion(model_uri),
     )
 
@@ -158,7 +181,7 @@ def graph_r1_policy(context: dg.AssetExecutionContext, config: GraphR1PolicyConf
                     encoder: EncoderResource, mlflow_tracking: MlflowResource) -> dg.MaterializeResult:
     """GRPO from the cold-start policy on the train split (G episodes per question, observation tokens
     masked, KL to the SFT policy), validated every N steps; registered as `medgraph-graph-r1-policy`,
-    `champion` moving only on a better validation accuracy."""
+    `champion` moving only when it beats the champion or, with none, its SFT start (POLICY_GATE)."""
     grpo_config = config.grpo_config()
     sft_uri = _sft_model_uri(context)
     store, tracking = warehouse.open(), mlflow_tracking.tracking()
@@ -183,8 +206,9 @@ def graph_r1_policy(context: dg.AssetExecutionContext, config: GraphR1PolicyConf
         mlflow.log_figure(training_curves_figure(result.history), "training_curves.png")
         model_uri = log_policy(save_policy(result.policy, work / "final"), result.policy.name, metadata={
             "sft_model_uri": sft_uri, "graph_r1_config": grpo_config.as_dict()})
-        version = tracking.register(model_uri, POLICY_MODEL_NAME, tags={"dagster/run_id": context.run.run_id})
-        promotion = tracking.promote_if_better(POLICY_MODEL_NAME, version, POLICY_GATE_METRIC)
+        version, promotion = tracking.register_and_gate(model_uri, POLICY_MODEL_NAME, POLICY_GATE,
+                                                        sft_start_baseline(result.metrics, sft_uri),
+                                                        tags={"dagster/run_id": context.run.run_id})
         run_id = run.info.run_id
     shutil.rmtree(work, ignore_errors=True)  # the model is in MLflow; checkpoints only serve a retry
     context.log.info(promotion.reason)

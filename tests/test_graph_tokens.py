@@ -1,7 +1,10 @@
-"""HIIM graph tokens: W_proj training against the frozen SmolLM2, registry pairing, generation with tokens."""
+"""HIIM graph tokens: W_proj training against the frozen SmolLM2 on what A2RAG retrieves and asks, the
+projector's champion gate against A2RAG's text-only answer, registry pairing, generation with tokens."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import dagster as dg
@@ -9,12 +12,14 @@ import pytest
 import torch
 from conftest import copy_warehouse
 
+import platform_assets.models as model_assets
 from medgraph.gnn.graph_tokens import (
     PROJECTOR_MODEL_NAME,
     GraphTokenizer,
     HiimProjector,
     NodeFeatures,
     ProjectorConfig,
+    ProjectorResult,
     answer_nll,
     load_champion_graph_tokenizer,
     load_examples,
@@ -24,43 +29,67 @@ from medgraph.gnn.train import GatConfig, train_gat
 from medgraph.kg.qa import generate_qa_items
 from medgraph.llm.base import GenerationConfig, user
 from medgraph.llm.scripted import ScriptedChatModel
+from medgraph.methods.a2rag import A2Rag, A2RagConfig, answer_conversation
+from medgraph.methods.tools import KnowledgeTools
+from medgraph.retrieval import Retriever
 from medgraph.storage import Warehouse
 from platform_assets.models import GAT_MODEL_NAME, gat_model, hiim_projector
-from resources import LlmResource, MlflowResource, WarehouseResource
+from resources import EncoderResource, LlmResource, MlflowResource, WarehouseResource
 
 CONFIG = ProjectorConfig.profile("tiny", steps=2, batch_size=2, valid_items=4, eval_every=2)
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 
 @pytest.fixture(scope="module")
-def qa_warehouse(gat_warehouse: Warehouse, tmp_path_factory: pytest.TempPathFactory) -> Warehouse:
-    warehouse = copy_warehouse(gat_warehouse, tmp_path_factory.mktemp("hiim") / "home")
+def qa_warehouse(retrieval_warehouse: Warehouse, tmp_path_factory: pytest.TempPathFactory) -> Warehouse:
+    warehouse = copy_warehouse(retrieval_warehouse, tmp_path_factory.mktemp("hiim") / "home")
     generate_qa_items(warehouse, warehouse.path.parent / "qa", per_type=40)
     return warehouse
 
 
 @pytest.fixture(scope="module")
+def tools(qa_warehouse: Warehouse, encoder) -> Iterator[KnowledgeTools]:
+    with Retriever(qa_warehouse, encoder) as retriever:
+        yield KnowledgeTools(retriever)
+
+
+@pytest.fixture(scope="module")
 def tokenizer(qa_warehouse: Warehouse, smollm2) -> GraphTokenizer:
-    torch.set_num_threads(2)
     gat = train_gat(qa_warehouse, GatConfig.profile("tiny", epochs=1, steps_per_epoch=5)).model
     projector = HiimProjector(gat.triple.out_features, smollm2.hidden_size, token_embedding_norm(smollm2))
     return GraphTokenizer(gat, projector, NodeFeatures(qa_warehouse.lake, gat.feature_table))
 
 
-def test_evidence_holds_the_gold_path_and_answers_name_the_option(qa_warehouse: Warehouse):
-    examples = load_examples(qa_warehouse, "train", CONFIG)
+def test_examples_hold_what_a2rag_retrieves_and_its_answer_prompt(qa_warehouse: Warehouse, tools: KnowledgeTools):
+    examples = load_examples(qa_warehouse, "train", CONFIG, tools, limit=6)
+    assert examples
+    a2rag, defaults = A2Rag(tools, ScriptedChatModel(["x"])), A2RagConfig()
+    for example in examples:
+        (retrieved,) = a2rag.knowledge_graph([example.item])  # T_KG inside A2RAG, default tau / K / N
+        assert example.triples == tuple(t for t, _ in retrieved.triples)
+        assert 0 < len(example.triples) <= defaults.top_n
+        assert example.context == example.triples[: defaults.context_triples]
+        assert example.conversation(False) == answer_conversation(example.item, example.context, ())
+        with_tokens = example.conversation(True)
+        assert "graph tokens" in with_tokens[0].content and with_tokens[1:] == example.conversation(False)[1:]
+        assert example.answer == (f"<answer>{example.item.answer}</answer>" if example.item.options
+                                  else f"<answer>{(example.item.acceptable_answers or (example.item.answer,))[0]}</answer>")
+
+
+def test_gold_path_evidence_is_an_explicit_option(qa_warehouse: Warehouse):
+    with pytest.raises(ValueError, match="pass KnowledgeTools"):
+        load_examples(qa_warehouse, "train", CONFIG)
+    examples = load_examples(qa_warehouse, "train", replace(CONFIG, graph_triples="gold_path"), limit=20)
     assert examples and all(0 < len(e.triples) <= CONFIG.max_triples for e in examples)
-    with qa_warehouse.connect(read_only=True) as con:
-        gold = dict(con.execute("SELECT qid, gold_path FROM qa.qa_items WHERE split = 'train'").fetchall())
-    for example in examples[:20]:
-        assert set(gold[example.qid]) <= {t.edge_id for t in example.triples}
-        if example.options:
-            letter, text = example.answer.split(": ", 1)
-            assert example.options[letter] == text
+    for example in examples:
+        assert set(example.item.extra["gold_path"]) <= {t.edge_id for t in example.triples}
 
 
 def test_graph_tokens_live_in_the_llm_embedding_space_and_carry_gradient(qa_warehouse: Warehouse, smollm2,
+                                                                         tools: KnowledgeTools,
                                                                          tokenizer: GraphTokenizer):
-    examples = load_examples(qa_warehouse, "train", CONFIG)[:2]
+    examples = load_examples(qa_warehouse, "train", CONFIG, tools, limit=4)[:2]
     tokens = [tokenizer.encode(e.triples) for e in examples]
     assert tokens[0].shape == (len(examples[0].triples), smollm2.hidden_size)
     torch.testing.assert_close(tokens[0].norm(dim=-1), torch.full((len(examples[0].triples),),
@@ -71,38 +100,71 @@ def test_graph_tokens_live_in_the_llm_embedding_space_and_carry_gradient(qa_ware
     assert grad is not None and grad.abs().sum() > 0  # the answer likelihood depends on the graph tokens
     assert all(p.grad is None for p in smollm2.model.parameters() if not p.requires_grad)
 
-    no_graph = answer_nll(smollm2, examples, None).detach()
-    assert no_graph.shape == (2,) and torch.isfinite(no_graph).all()
+    text_only = answer_nll(smollm2, examples, None).detach()
+    assert text_only.shape == (2,) and torch.isfinite(text_only).all()
 
 
-def test_hiim_projector_asset_registers_a_pair_that_loads_for_its_llm_only(qa_warehouse: Warehouse, smollm2,
-                                                                           tmp_path: Path, mlflow_db: Path,
-                                                                           monkeypatch: pytest.MonkeyPatch):
+def test_projector_must_beat_a2rags_text_only_answer_then_the_champion(qa_warehouse: Warehouse, smollm2, encoder,
+                                                                        tmp_path: Path, mlflow_db: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch):
     home = qa_warehouse.path.parent
     llm = LlmResource(spec="smollm2-135m-instruct", home=str(tmp_path))
     llm._llm = smollm2  # the session's loaded model: the resource would load the same one
-    resources = {"warehouse": WarehouseResource(home=str(home)), "llm": llm,
+    encoder_resource = EncoderResource(max_length=128)
+    encoder_resource._encoder = encoder
+    resources = {"warehouse": WarehouseResource(home=str(home)), "llm": llm, "encoder": encoder_resource,
                  "mlflow_tracking": MlflowResource(tracking_uri=f"sqlite:///{mlflow_db}",
                                                    artifact_root=str(tmp_path / "artifacts"))}
     instance = dg.DagsterInstance.ephemeral()
     with pytest.raises(dg.Failure, match="materialize models/gat_model first"):
         dg.materialize([hiim_projector], resources=resources, instance=instance)
-    run_config = dg.RunConfig(ops={
-        "models__gat_model": {"config": {"profile": "tiny", "epochs": 1, "steps_per_epoch": 5}},
-        "models__hiim_projector": {"config": {"profile": "tiny", "steps": CONFIG.steps, "batch_size": 2,
-                                              "valid_items": 4}}})
-    result = dg.materialize([gat_model, hiim_projector], resources=resources, instance=instance,
-                            run_config=run_config)
-    assert result.success
-    (materialization,) = result.asset_materializations_for_node("models__hiim_projector")
-    metadata = materialization.metadata
-    assert metadata["promoted"].value is True and metadata["gat_model_uri"].value == f"models:/{GAT_MODEL_NAME}/1"
-    assert metadata["valid_answer_nll_text_only"].value > 0 and metadata["llm"].value == "smollm2-135m-instruct"
+    projector_config = {"profile": "tiny", "steps": CONFIG.steps, "batch_size": 2, "train_items": 8, "valid_items": 4}
+    gat_config = {"profile": "tiny", "epochs": 1, "steps_per_epoch": 5}
+    assert dg.materialize([gat_model], resources=resources, instance=instance,
+                          run_config=dg.RunConfig(ops={"models__gat_model": {"config": gat_config}})).success
+    run_config = dg.RunConfig(ops={"models__hiim_projector": {"config": projector_config}})
+    real_training = model_assets.train_projector
+
+    def projector_run(gain: float | None) -> dict[str, dg.MetadataValue]:
+        """Materialize the projector; with `gain`, training is replaced by a projector whose validation NLL
+        is the text-only NLL minus `gain` (the text-only NLL itself is measured for real)."""
+        def scripted(llm, gat, features, train, valid, config, log_fn=None) -> ProjectorResult:
+            text_only = float(answer_nll(llm, valid[:2], None).mean())
+            projector = HiimProjector(gat.triple.out_features, llm.hidden_size, 1.0)
+            projector.llm_name = llm.name
+            return ProjectorResult(projector, {"valid_answer_nll": text_only - gain,
+                                               "valid_answer_nll_text_only": text_only}, [], {"valid": 2})
+
+        with monkeypatch.context() as patch:
+            if gain is not None:
+                patch.setattr(model_assets, "train_projector", scripted)
+            result = dg.materialize([hiim_projector], resources=resources, instance=instance, run_config=run_config)
+        assert result.success
+        (materialization,) = result.asset_materializations_for_node("models__hiim_projector")
+        return materialization.metadata
+
+    tracking = resources["mlflow_tracking"].tracking()
+    worse = projector_run(gain=-0.5)  # graph tokens that make the answer less likely than text alone
+    assert worse["promoted"].value is False and worse["previous_champion_version"].value == "none"
+    assert worse["baseline_name"].value.startswith("A2RAG text-only answer")
+    assert worse["baseline_value"].value == pytest.approx(worse["valid_answer_nll_text_only"].value)
+    assert tracking.champion_version(PROJECTOR_MODEL_NAME) is None
+    better = projector_run(gain=0.5)
+    assert better["promoted"].value is True and tracking.champion_version(PROJECTOR_MODEL_NAME) == "2"
+    assert better["gate_reference"].value.startswith("baseline A2RAG text-only")
+
+    trained = projector_run(gain=None)  # real training: judged against the champion now
+    assert model_assets.train_projector is real_training
+    metadata = trained["valid_answer_nll"].value, trained["valid_answer_nll_text_only"].value
+    assert all(value > 0 for value in metadata) and trained["graph_triples"].value == "gsrm"
+    assert trained["gat_model_uri"].value == f"models:/{GAT_MODEL_NAME}/1" and trained["llm"].value == smollm2.name
+    assert trained["gate_reference"].value == "champion v2"
+    assert trained["promoted"].value is (trained["candidate_value"].value < trained["previous_champion_value"].value)
 
     tracking_uri = f"sqlite:///{mlflow_db}"
     loaded = load_champion_graph_tokenizer(smollm2, qa_warehouse, tracking_uri)
     assert loaded is not None and loaded.projector.gat_model_uri.endswith("/1")
-    triples = load_examples(qa_warehouse, "validation", CONFIG)[0].triples
+    triples = load_examples(qa_warehouse, "validation", replace(CONFIG, graph_triples="gold_path"))[0].triples
     graph = loaded.encode(triples)
     reply = smollm2.generate([[user("Which drug may treat hypertension?")]], GenerationConfig(max_new_tokens=4),
                              graph_tokens=[graph])[0]

@@ -38,16 +38,36 @@ def train(resources: dict, instance: dg.DagsterInstance, **config: object) -> di
     return materialization.metadata
 
 
-def test_gat_model_registers_a_champion_and_a_worse_run_does_not_move_it(resources: dict, home: Path):
+def test_gat_model_must_beat_the_untrained_gat_then_the_champion(resources: dict, home: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch):
+    import torch.nn.functional as F
+
     instance = dg.DagsterInstance.ephemeral()
+    # A first candidate worse than no training at all: trained with the labels flipped (real triples as false).
+    loss = F.binary_cross_entropy_with_logits
+    with monkeypatch.context() as patch:
+        patch.setattr(F, "binary_cross_entropy_with_logits", lambda logits, labels, **kw: loss(logits, 1 - labels, **kw))
+        sabotaged = train(resources, instance, epochs=1, steps_per_epoch=25)
+    assert sabotaged["promoted"].value is False and sabotaged["model_version"].value == "1"
+    assert sabotaged["previous_champion_version"].value == "none"
+    assert sabotaged["baseline_name"].value.startswith("untrained GAT")
+    assert sabotaged["candidate_value"].value < sabotaged["baseline_value"].value
+    assert sabotaged["baseline_value"].value == sabotaged["valid_roc_auc_untrained"].value
+    tracking = resources["mlflow_tracking"].tracking()
+    assert tracking.champion_version(GAT_MODEL_NAME) is None
+
     first = train(resources, instance, epochs=3, steps_per_epoch=25)
-    assert first["promoted"].value is True and first["model_version"].value == "1"
+    assert first["promoted"].value is True and first["model_version"].value == "2"
+    # The same untrained network on the same validation edges: the baseline does not depend on training.
+    assert first["baseline_value"].value == sabotaged["baseline_value"].value
+    assert first["candidate_value"].value > first["baseline_value"].value
     assert first["test_roc_auc"].value > 0.7  # well above chance (0.5); the exact value is in the run
     run_id = first["mlflow_run_id"].value
 
-    tracking = resources["mlflow_tracking"].tracking()
     run = tracking.client.get_run(run_id)
-    assert {"valid_roc_auc", "test_roc_auc", "test_mrr", "test_hits_at_10", "valid_accuracy"} <= set(run.data.metrics)
+    assert {"valid_roc_auc", "test_roc_auc", "test_mrr", "test_hits_at_10", "valid_accuracy",
+            "valid_roc_auc_untrained", "champion_gate.baseline_valid_roc_auc"} <= set(run.data.metrics)
+    assert run.data.tags["champion_gate.baseline"].startswith("untrained GAT")
     assert run.data.tags["dagster/asset_key"] == "models/gat_model"
     assert {"data_version/kg/kg_edges", "data_version/umls_release"} <= set(run.data.tags)
     assert tracking.client.get_experiment(run.info.experiment_id).name == "medgraph/gat_model"
@@ -56,13 +76,14 @@ def test_gat_model_registers_a_champion_and_a_worse_run_does_not_move_it(resourc
     assert not any((home / "checkpoints" / "gat_model").glob("*/last.pt"))  # cleaned after success
 
     worse = train(resources, instance, epochs=1, steps_per_epoch=1, seed=1)
-    assert worse["promoted"].value is False and worse["model_version"].value == "2"
+    assert worse["promoted"].value is False and worse["model_version"].value == "3"
     assert worse["candidate_value"].value < worse["previous_champion_value"].value
-    assert tracking.champion_version(GAT_MODEL_NAME) == "1"
+    assert worse["gate_reference"].value == "champion v2"
+    assert tracking.champion_version(GAT_MODEL_NAME) == "2"
     # The data version follows the champion, so a run that loses the gate changes nothing downstream.
     records = instance.fetch_materializations(dg.AssetKey(["models", "gat_model"]), limit=2).records
     versions = {r.asset_materialization.tags["dagster/data_version"] for r in records}
-    assert versions == {f"{GAT_MODEL_NAME}@champion=v1"}
+    assert versions == {f"{GAT_MODEL_NAME}@champion=v2"}
 
     mlflow.set_tracking_uri(tracking.tracking_uri)
     model = mlflow.pytorch.load_model(f"models:/{GAT_MODEL_NAME}@champion")

@@ -25,9 +25,11 @@ from medgraph.kg.qa import QaItem, generate_qa_items
 from medgraph.llm.base import GenerationConfig, assistant, system, user
 from medgraph.llm.hf import TransformersChatModel
 from medgraph.methods.graph_r1 import GraphR1Config, GraphR1Env, GraphR1State
+from medgraph.methods.registry import make_config, method_of
 from medgraph.retrieval import Retriever
 from medgraph.rl.grpo import (
     GrpoConfig,
+    _final_metrics,
     clipped_objective,
     group_advantages,
     grpo_token_loss,
@@ -36,12 +38,23 @@ from medgraph.rl.grpo import (
     train_grpo,
 )
 from medgraph.rl.model import latest_checkpoint, save_policy
-from medgraph.rl.policy import POLICY_MODEL_NAME, load_champion_policy
+from medgraph.rl.policy import (
+    POLICY_GATE,
+    POLICY_MODEL_NAME,
+    SFT_GATE,
+    SFT_MODEL_NAME,
+    base_model_baseline,
+    choose_policy,
+    load_champion_policy,
+    load_chosen_policy,
+    sft_start_baseline,
+)
 from medgraph.rl.rewards import episode_reward
 from medgraph.rl.rollout import encode_conversation, generation_config, rollout
 from medgraph.rl.scale import VllmRollouts
 from medgraph.rl.sft import SftConfig, expert_demonstrations, load_qa_items, train_sft
 from medgraph.storage import Warehouse
+from medgraph.tracking import Tracking
 from platform_assets.policy import graph_r1_policy, graph_r1_sft
 from resources import EncoderResource, LlmResource, MlflowResource, WarehouseResource
 
@@ -334,6 +347,96 @@ def test_vllm_rollouts_publish_each_adapter_and_unload_the_previous(tiny_model_d
     assert reply.text.endswith("policy-step-000002")  # rollouts ask for the newest adapter
 
 
+# --------------------------------------------------------------------------- champion gates and policy choice
+
+
+def register_policy(tracking: Tracking, name: str, **metrics: float) -> str:
+    """A registered version of `name` whose run holds `metrics` (the weights do not matter to the gate)."""
+    import mlflow
+
+    with tracking.start_run(name):
+        mlflow.log_metrics(metrics)
+        uri = tracking.log_torch_model(torch.nn.Linear(2, 1))
+    return tracking.register(uri, name)
+
+
+def grpo_metrics(start: tuple[float, float], end: tuple[float, float]) -> dict[str, float]:
+    """`train_grpo`'s final metrics for a run validated at step 0 (the SFT start) and at its end."""
+    curves = {"reward": 0.2, "format_rate": 1.0, "kl": 0.01, "step_seconds": 1.0, "rollout_tokens_per_s": 10.0,
+              "update_seconds": 0.5}
+    return _final_metrics([{"step": 0, "valid_reward": start[0], "valid_accuracy": start[1]},
+                           {"step": 1, **curves, "valid_reward": end[0], "valid_accuracy": end[1]}])
+
+
+def test_grpo_gate_refuses_a_first_policy_worse_than_its_sft_start_and_accepts_a_better_one(mlflow_db: Path,
+                                                                                          tmp_path: Path):
+    tracking = Tracking(f"sqlite:///{mlflow_db}", str(tmp_path / "artifacts"))
+    # The demo's first policy: validation reward 0.157 below its SFT start's 0.175, accuracy 0.
+    demo = grpo_metrics(start=(0.175, 0.125), end=(0.157, 0.0))
+    version = register_policy(tracking, POLICY_MODEL_NAME, **{k: v for k, v in demo.items() if "start" not in k})
+    decision = tracking.promote_if_better(POLICY_MODEL_NAME, version, POLICY_GATE,
+                                          baseline=sft_start_baseline(demo, "models:/m-sft"))
+    assert not decision.promoted and tracking.champion_version(POLICY_MODEL_NAME) is None
+    assert decision.baseline_name == "SFT start models:/m-sft" and decision.baseline_value == 0.175
+    assert decision.compared == {"valid_reward": (pytest.approx(0.157), 0.175), "valid_accuracy": (0.0, 0.125)}
+
+    better = grpo_metrics(start=(0.175, 0.125), end=(0.3, 0.125))
+    version = register_policy(tracking, POLICY_MODEL_NAME, **{k: v for k, v in better.items() if "start" not in k})
+    decision = tracking.promote_if_better(POLICY_MODEL_NAME, version, POLICY_GATE,
+                                          baseline=sft_start_baseline(better, "models:/m-sft"))
+    assert decision.promoted and tracking.champion_version(POLICY_MODEL_NAME) == version
+
+
+def test_sft_gate_refuses_a_first_policy_worse_than_the_base_model_and_accepts_a_better_one(mlflow_db: Path,
+                                                                                          tmp_path: Path):
+    tracking = Tracking(f"sqlite:///{mlflow_db}", str(tmp_path / "artifacts"))
+    base = base_model_baseline({"reward": 0.1, "accuracy": 0.25, "format_rate": 0.5}, "smollm2-135m-instruct")
+    assert base.values == {"valid_reward": 0.1, "valid_accuracy": 0.25}  # `evaluate` keys, as the SFT asset logs them
+    worse = register_policy(tracking, SFT_MODEL_NAME, valid_reward=0.09, valid_accuracy=0.5)
+    decision = tracking.promote_if_better(SFT_MODEL_NAME, worse, SFT_GATE, baseline=base)
+    assert not decision.promoted and decision.as_metadata()["baseline_name"] == "base model smollm2-135m-instruct"
+    assert tracking.champion_version(SFT_MODEL_NAME) is None
+    better = register_policy(tracking, SFT_MODEL_NAME, valid_reward=0.2, valid_accuracy=0.25)
+    assert tracking.promote_if_better(SFT_MODEL_NAME, better, SFT_GATE, baseline=base).promoted
+    assert tracking.champion_version(SFT_MODEL_NAME) == better
+
+
+def test_evaluation_picks_the_grpo_champion_else_the_sft_champion_else_the_base_llm(mlflow_db: Path,
+                                                                                   tmp_path: Path):
+    uri = f"sqlite:///{mlflow_db}"
+    tracking = Tracking(uri, str(tmp_path / "artifacts"))
+    methods = ("graph-r1", "graph-r1-no-analyze", "graph-r1-no-sft", "graph-r1-sft-only")
+    assert all(method_of(m) == "graph-r1" and make_config(m).actions for m in methods)
+
+    def sources() -> dict[str, str | None]:
+        return {m: choose_policy(m, uri).source for m in methods}
+
+    assert choose_policy("graph-r1", f"sqlite:///{tmp_path / 'absent.db'}").source == "base"
+    assert not (tmp_path / "absent.db").exists()  # asking does not create a registry
+    assert sources() == {"graph-r1": "base", "graph-r1-no-analyze": "base", "graph-r1-no-sft": "base",
+                         "graph-r1-sft-only": None}
+    skipped = choose_policy("graph-r1-sft-only", uri)
+    assert skipped.description.startswith(f"skipped: no {SFT_MODEL_NAME}@champion") and skipped.model_uri is None
+    assert load_chosen_policy(choose_policy("graph-r1-no-sft", uri), uri) is None  # the base LLM plays
+    from platform_assets.evaluation import _load_policy
+
+    chosen = _load_policy(["cot", "graph-r1", "graph-r1-sft-only"], uri, tmp_path)  # what eval assets run with
+    assert {m: (c.source, model) for m, (c, model) in chosen.items()} == {"graph-r1": ("base", None),
+                                                                         "graph-r1-sft-only": (None, None)}
+
+    sft = register_policy(tracking, SFT_MODEL_NAME, valid_reward=0.2)
+    tracking.client.set_registered_model_alias(SFT_MODEL_NAME, "champion", sft)
+    assert sources() == {"graph-r1": "sft", "graph-r1-no-analyze": "sft", "graph-r1-no-sft": "base",
+                         "graph-r1-sft-only": "sft"}
+    assert choose_policy("graph-r1", uri).model_uri == f"models:/{SFT_MODEL_NAME}/{sft}"
+
+    grpo = register_policy(tracking, POLICY_MODEL_NAME, valid_reward=0.3)
+    tracking.client.set_registered_model_alias(POLICY_MODEL_NAME, "champion", grpo)
+    assert sources() == {"graph-r1": "grpo", "graph-r1-no-analyze": "grpo", "graph-r1-no-sft": "base",
+                         "graph-r1-sft-only": "sft"}
+    assert choose_policy("graph-r1", uri).description == f"{POLICY_MODEL_NAME} v{grpo} (GRPO champion)"
+
+
 # --------------------------------------------------------------------------- the assets
 
 
@@ -358,11 +461,22 @@ def test_policy_assets_train_register_and_load_the_champion(qa_warehouse: Wareho
     (sft,) = result.asset_materializations_for_node("models__graph_r1_sft")
     assert sft.metadata["demonstrations"].value > 0 and sft.metadata["validation_questions"].value == 1
     assert {"valid_reward", "valid_accuracy", "valid_format_rate", "train_nll_last"} <= set(sft.metadata)
+    # Registered and gated against the base model, evaluated although evaluate_base is off: no SFT champion yet.
+    assert sft.metadata["registered_model"].value == SFT_MODEL_NAME and sft.metadata["model_version"].value == "1"
+    assert sft.metadata["baseline_name"].value.startswith("base model")
+    assert sft.metadata["baseline_value"].value == sft.metadata["valid_base_reward"].value
+    assert sft.metadata["promoted"].value is (
+        sft.metadata["valid_reward"].value > sft.metadata["valid_base_reward"].value
+        and sft.metadata["valid_accuracy"].value >= sft.metadata["valid_base_accuracy"].value)
     (policy,) = result.asset_materializations_for_node("models__graph_r1_policy")
     metadata = policy.metadata
-    assert metadata["promoted"].value is True and metadata["model_version"].value == "1"
+    assert metadata["model_version"].value == "1" and metadata["baseline_name"].value.startswith("SFT start")
+    assert metadata["baseline_value"].value == metadata["valid_reward_start"].value
+    assert metadata["promoted"].value is (metadata["valid_reward"].value > metadata["valid_reward_start"].value
+                                          and metadata["valid_accuracy"].value >= metadata["valid_accuracy_start"].value)
     assert metadata["sft_model_uri"].value == sft.metadata["model_uri"].value
-    assert policy.tags["dagster/data_version"] == f"{POLICY_MODEL_NAME}@champion=v1"
+    champion_version = "1" if metadata["promoted"].value else "None"
+    assert policy.tags["dagster/data_version"] == f"{POLICY_MODEL_NAME}@champion=v{champion_version}"
 
     tracking = resources["mlflow_tracking"].tracking()
     run = tracking.client.get_run(metadata["mlflow_run_id"].value)
@@ -374,7 +488,13 @@ def test_policy_assets_train_register_and_load_the_champion(qa_warehouse: Wareho
                                                                                   "training_curves.png"}
     assert not any((home / "checkpoints" / "graph_r1_policy").glob("*/checkpoints/step-*"))  # cleaned up
 
-    champion = load_champion_policy(tracking_uri)
-    assert isinstance(champion, TransformersChatModel) and champion.name == "graph-r1-policy"
-    reply = champion.complete([user("Which drug may treat hypertension?")], GenerationConfig(max_new_tokens=4))
-    assert reply.completion_tokens > 0
+    choice = choose_policy("graph-r1", tracking_uri)
+    expected = "grpo" if metadata["promoted"].value else "sft" if sft.metadata["promoted"].value else "base"
+    assert choice.source == expected
+    if choice.source == "grpo":
+        champion = load_champion_policy(tracking_uri)
+        assert isinstance(champion, TransformersChatModel) and champion.name == "graph-r1-policy"
+    if choice.model_uri is not None:
+        chosen = load_chosen_policy(choice, tracking_uri)
+        reply = chosen.complete([user("Which drug may treat hypertension?")], GenerationConfig(max_new_tokens=4))
+        assert reply.completion_tokens > 0

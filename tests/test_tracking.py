@@ -1,4 +1,4 @@
-"""MLflow conventions against a real SQLite registry: experiments, registration, champion gate."""
+"""MLflow conventions against a real SQLite registry: experiments, registration, champion gates."""
 
 from __future__ import annotations
 
@@ -8,7 +8,9 @@ import mlflow
 import pytest
 import torch
 
-from medgraph.tracking import Tracking, metric_name
+from medgraph.tracking import Baseline, Gate, Tracking, metric_name
+
+UNTRAINED = Baseline("untrained model", {"val_auc": 0.5})
 
 
 @pytest.fixture
@@ -16,11 +18,11 @@ def tracking(mlflow_db: Path, tmp_path: Path) -> Tracking:
     return Tracking(f"sqlite:///{mlflow_db}", str(tmp_path / "artifacts"))
 
 
-def log_candidate(tracking: Tracking, auc: float) -> str:
-    """Train nothing, log a tiny torch model with a validation metric, register it."""
+def log_candidate(tracking: Tracking, auc: float | None = None, **metrics: float) -> str:
+    """Train nothing, log a tiny torch model with validation metrics, register it."""
     model = torch.nn.Linear(4, 1)
     with tracking.start_run("gat_model", tags={"dagster/run_id": "test"}) as run:
-        mlflow.log_metric("val_auc", auc)
+        mlflow.log_metrics({**({"val_auc": auc} if auc is not None else {}), **metrics})
         model_uri = tracking.log_torch_model(model)
     assert run.info.experiment_id == tracking.experiment_id("gat_model")
     return tracking.register(model_uri, "medgraph-test")
@@ -28,25 +30,72 @@ def log_candidate(tracking: Tracking, auc: float) -> str:
 
 def test_champion_moves_only_when_a_candidate_is_better(tracking: Tracking):
     first = log_candidate(tracking, 0.80)
-    assert tracking.promote_if_better("medgraph-test", first, "val_auc").promoted
+    assert tracking.promote_if_better("medgraph-test", first, "val_auc", baseline=UNTRAINED).promoted
     worse = log_candidate(tracking, 0.70)
-    decision = tracking.promote_if_better("medgraph-test", worse, "val_auc")
+    decision = tracking.promote_if_better("medgraph-test", worse, "val_auc", baseline=UNTRAINED)
     assert not decision.promoted and tracking.champion_version("medgraph-test") == first
     assert decision.champion_value == pytest.approx(0.80) and decision.candidate_value == pytest.approx(0.70)
+    assert decision.as_metadata()["gate_reference"] == f"champion v{first}"
     run = tracking.client.get_run(tracking.client.get_model_version("medgraph-test", worse).run_id)
     assert run.data.tags["champion_gate.promoted"] == "false"
     assert run.data.metrics["champion_gate.champion_val_auc"] == pytest.approx(0.80)
+    assert run.data.metrics["champion_gate.baseline_val_auc"] == pytest.approx(0.5)  # logged, not compared
 
     tie = log_candidate(tracking, 0.80)
-    assert not tracking.promote_if_better("medgraph-test", tie, "val_auc").promoted
+    assert not tracking.promote_if_better("medgraph-test", tie, "val_auc", baseline=UNTRAINED).promoted
     better = log_candidate(tracking, 0.90)
-    assert tracking.promote_if_better("medgraph-test", better, "val_auc").promoted
+    assert tracking.promote_if_better("medgraph-test", better, "val_auc", baseline=UNTRAINED).promoted
     assert tracking.champion_version("medgraph-test") == better
 
 
+def test_a_first_candidate_must_strictly_beat_the_baseline_it_starts_from(tracking: Tracking):
+    worse = log_candidate(tracking, 0.40)
+    decision = tracking.promote_if_better("medgraph-test", worse, Gate("val_auc"), baseline=UNTRAINED)
+    assert not decision.promoted and tracking.champion_version("medgraph-test") is None
+    metadata = decision.as_metadata()
+    assert metadata["baseline_name"] == "untrained model" and metadata["baseline_value"] == pytest.approx(0.5)
+    assert metadata["candidate_value"] == pytest.approx(0.40) and metadata["previous_champion_version"] == "none"
+    assert "baseline untrained model" in metadata["decision"] and "val_auc=0.4000 vs 0.5000" in metadata["decision"]
+    run = tracking.client.get_run(tracking.client.get_model_version("medgraph-test", worse).run_id)
+    assert run.data.tags["champion_gate.baseline"] == "untrained model"
+    assert run.data.metrics["champion_gate.baseline_val_auc"] == pytest.approx(0.5)
+    assert run.data.metrics["champion_gate.candidate_val_auc"] == pytest.approx(0.40)
+    version_tags = tracking.client.get_model_version("medgraph-test", worse).tags
+    assert version_tags["champion_gate.baseline"] == "untrained model" and version_tags["champion_gate.promoted"] == "false"
+
+    equal = log_candidate(tracking, 0.50)
+    assert not tracking.promote_if_better("medgraph-test", equal, "val_auc", baseline=UNTRAINED).promoted
+    missing = tracking.promote_if_better("medgraph-test", log_candidate(tracking, 0.9), "val_auc",
+                                         baseline=Baseline("not measured", {}))
+    assert not missing.promoted and "no reference value for val_auc" in missing.reason
+    better = log_candidate(tracking, 0.60)
+    assert tracking.promote_if_better("medgraph-test", better, "val_auc", baseline=UNTRAINED).promoted
+    assert tracking.champion_version("medgraph-test") == better
+
+
+def test_a_two_metric_gate_needs_the_first_better_and_the_second_not_worse(tracking: Tracking):
+    gate = Gate("valid_reward", not_worse=("valid_accuracy",))
+    start = Baseline("SFT start", {"valid_reward": 0.175, "valid_accuracy": 0.125})
+    # The demo's first GRPO policy: reward below its SFT start, accuracy 0.
+    demo = log_candidate(tracking, valid_reward=0.157, valid_accuracy=0.0)
+    assert not tracking.promote_if_better("medgraph-test", demo, gate, baseline=start).promoted
+    format_only = log_candidate(tracking, valid_reward=0.20, valid_accuracy=0.0)
+    decision = tracking.promote_if_better("medgraph-test", format_only, gate, baseline=start)
+    assert not decision.promoted and "valid_accuracy got worse" in decision.reason
+    assert decision.compared == {"valid_reward": (pytest.approx(0.20), 0.175), "valid_accuracy": (0.0, 0.125)}
+    good = log_candidate(tracking, valid_reward=0.20, valid_accuracy=0.125)
+    assert tracking.promote_if_better("medgraph-test", good, gate, baseline=start).promoted
+    # Against the champion, the same rule.
+    less_accurate = log_candidate(tracking, valid_reward=0.30, valid_accuracy=0.0)
+    assert not tracking.promote_if_better("medgraph-test", less_accurate, gate, baseline=start).promoted
+    best = log_candidate(tracking, valid_reward=0.30, valid_accuracy=0.25)
+    assert tracking.promote_if_better("medgraph-test", best, gate, baseline=start).promoted
+    assert tracking.champion_version("medgraph-test") == best
+
+
 def test_models_load_by_alias_and_artifacts_stay_under_the_root(tracking: Tracking, tmp_path: Path):
-    version = log_candidate(tracking, 0.5)
-    tracking.promote_if_better("medgraph-test", version, "val_auc")
+    version = log_candidate(tracking, 0.6)
+    tracking.promote_if_better("medgraph-test", version, "val_auc", baseline=UNTRAINED)
     mlflow.set_tracking_uri(tracking.tracking_uri)
     model = mlflow.pytorch.load_model(tracking.model_uri("medgraph-test"))
     assert isinstance(model, torch.nn.Linear)
@@ -55,8 +104,10 @@ def test_models_load_by_alias_and_artifacts_stay_under_the_root(tracking: Tracki
 
 
 def test_lower_is_better_metrics_and_missing_metric_errors(tracking: Tracking):
+    text_only = Baseline("text-only answer", {"val_auc": 0.35})
     first = log_candidate(tracking, 0.3)
-    tracking.promote_if_better("medgraph-test", first, "val_auc", higher_is_better=False)
+    assert tracking.promote_if_better("medgraph-test", first, "val_auc", higher_is_better=False,
+                                      baseline=text_only).promoted
     second = log_candidate(tracking, 0.2)
     assert tracking.promote_if_better("medgraph-test", second, "val_auc", higher_is_better=False).promoted
     with pytest.raises(KeyError, match="no metric 'val_loss'"):

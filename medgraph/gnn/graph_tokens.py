@@ -3,10 +3,13 @@
 A2RAG's HIIM (DESIGN.md) places one soft token per retrieved triple after the
 text of the prompt, z = GNN([emb(h); emb(r); emb(t)]) projected by W_proj. The
 GAT is the pretrained champion (frozen); W_proj is trained here with the LLM
-frozen too, by the likelihood of the gold answer given the question and the
-graph tokens of its evidence triples (gold path plus distracting neighbours).
-The prompt holds the question only, so whatever lowers the answer loss must
-come through the graph tokens.
+frozen too, by the likelihood of the gold answer given exactly what HIIM sees
+inside A2RAG: the triples GSRM retrieves for the question (A2RAG's default
+tau, K, N), shown as text in A2RAG's own answer prompt
+(`a2rag.answer_conversation`) and, all of them, as graph tokens. Its champion
+gate compares the validation answer NLL with A2RAG's text-only answer: the same
+prompt and triples without graph tokens. `graph_triples="gold_path"` (the gold
+path plus distracting neighbours) is an explicit option for experiments only.
 
 A registered projector records the GAT version it was trained with and the
 LLM it speaks to: `load_champion_graph_tokenizer` pairs them again, and
@@ -22,6 +25,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
+from typing import TYPE_CHECKING, Literal
 
 import numpy as np
 import torch
@@ -32,16 +36,21 @@ from tqdm.auto import tqdm
 from medgraph.embed.tables import read_embeddings
 from medgraph.gnn.model import GatModel
 from medgraph.kg.graph import KnowledgeGraph, Triple
-from medgraph.llm.base import ChatModel, Message, system, user
+from medgraph.kg.qa import QaItem
+from medgraph.llm.base import ChatModel, Message
+from medgraph.methods.a2rag import A2RagConfig, answer_conversation, gsrm_refine
 from medgraph.s3 import S3Lake
 from medgraph.storage import Lake, Warehouse, open_warehouse
+from medgraph.tracking import MODEL_NAMES, Gate
+
+if TYPE_CHECKING:
+    from medgraph.methods.tools import KnowledgeTools
 
 log = logging.getLogger(__name__)
 
-PROJECTOR_MODEL_NAME = "medgraph-hiim-projector"
-PROJECTOR_GATE_METRIC = "valid_answer_nll"  # lower is better
-SYSTEM_PROMPT = ("You are a biomedical expert. Knowledge-graph facts relevant to the question are given "
-                 "as graph tokens after it. Answer with the correct option.")
+PROJECTOR_MODEL_NAME = MODEL_NAMES["hiim_projector"]
+PROJECTOR_GATE = Gate("valid_answer_nll", higher_is_better=False)
+TEXT_ONLY_BASELINE = "A2RAG text-only answer (same prompt and triples, no graph tokens)"
 
 
 class HiimProjector(nn.Module):
@@ -118,8 +127,10 @@ class ProjectorConfig:
     batch_size: int = 8
     lr: float = 1e-3
     weight_decay: float = 0.0
-    distractors: int = 8  # 1-hop triples of the question's entities added to its gold path
-    max_triples: int = 24
+    graph_triples: Literal["gsrm", "gold_path"] = "gsrm"  # A2RAG's GSRM retrieval, or gold path + distractors
+    train_items: int | None = None  # training questions retrieved for (a seeded sample; None: all)
+    distractors: int = 8  # gold_path only: 1-hop triples of the question's entities added to its gold path
+    max_triples: int = 24  # gold_path only: graph tokens per question (GSRM: A2RAG's top_n, as in evaluation)
     valid_items: int = 64  # validation questions scored after training (and before, as the baseline)
     eval_every: int = 50
     seed: int = 0
@@ -135,20 +146,30 @@ class ProjectorConfig:
         return asdict(self)
 
 
+# A2RAG's answer prompt shows ~30 triples as text (~750 tokens with SmolLM2's template): a training step costs
+# ~10x the old question-only prompt's, so the CPU profiles take fewer, smaller steps and validate at the end only.
 PROJECTOR_PROFILES = {
-    "tiny": ProjectorConfig(steps=20, batch_size=4, valid_items=16, eval_every=10, distractors=4),
-    "demo": ProjectorConfig(steps=20, batch_size=8, valid_items=16, eval_every=10, progress=True),
-    "full": ProjectorConfig(steps=2000, batch_size=16, valid_items=500, eval_every=250, progress=True),
+    "tiny": ProjectorConfig(steps=6, batch_size=2, train_items=16, valid_items=8, eval_every=6, distractors=4),
+    "demo": ProjectorConfig(steps=10, batch_size=4, train_items=40, valid_items=16, eval_every=10, progress=True),
+    "full": ProjectorConfig(steps=2000, batch_size=16, train_items=None, valid_items=500, eval_every=250,
+                            progress=True),
 }
 
 
 @dataclass(frozen=True)
 class ProjectorExample:
-    qid: str
-    question: str
-    options: dict[str, str]
-    answer: str  # the reply the LLM should give: "B: Hypertension", or the short answer
-    triples: tuple[Triple, ...]
+    item: QaItem
+    answer: str  # the reply A2RAG's prompt asks for: "<answer>B</answer>", or the short answer in the tag
+    triples: tuple[Triple, ...]  # the graph tokens' triples (A2RAG: every retrieved triple)
+    context: tuple[Triple, ...]  # the triples the prompt shows as text (A2RAG: the first `context_triples`)
+
+    @property
+    def qid(self) -> str:
+        return self.item.qid
+
+    def conversation(self, graph_tokens: bool) -> list[Message]:
+        """A2RAG's answer prompt for this question (no passages: the projector sees the graph only)."""
+        return answer_conversation(self.item, self.context, (), graph_tokens=graph_tokens)
 
 
 @dataclass
@@ -159,42 +180,81 @@ class ProjectorResult:
     examples: dict[str, int] = field(default_factory=dict)
 
 
-def question_prompt(question: str, options: dict[str, str]) -> list[Message]:
-    lines = [f"Question: {question}"]
-    lines += [f"{letter}: {text}" for letter, text in sorted(options.items())]
-    return [system(SYSTEM_PROMPT), user("\n".join(lines))]
+def _reply(item: QaItem) -> str:
+    return f"<answer>{item.answer if item.options else (list(item.acceptable_answers) or [item.answer])[0]}</answer>"
 
 
-def load_examples(warehouse: Warehouse, split: str, config: ProjectorConfig) -> list[ProjectorExample]:
-    """`qa.qa_items` of one split with their evidence: gold path triples plus shuffled distractors."""
-    import json
+def load_examples(warehouse: Warehouse, split: str, config: ProjectorConfig, tools: KnowledgeTools | None = None,
+                  limit: int | None = None, a2rag: A2RagConfig | None = None) -> list[ProjectorExample]:
+    """`qa.qa_items` of one split (a seeded sample of `limit`) with their evidence, retrieved once per
+    question: GSRM's top-N with A2RAG's settings (`a2rag`, default A2RagConfig(); needs `tools`), or, with
+    `graph_triples="gold_path"`, the gold path plus shuffled distractors. Questions without any triple
+    are left out (HIIM answers them text-only)."""
+    from medgraph.rl.sft import load_qa_items
 
-    with warehouse.connect(read_only=True) as con:
-        rows = con.execute("SELECT qid, question, options, answer, acceptable_answers, gold_path, seed_cuis "
-                           "FROM qa.qa_items WHERE split = ? ORDER BY qid", [split]).fetchall()
+    a2rag = a2rag or A2RagConfig()
+    items = load_qa_items(warehouse, split, limit, config.seed)
+    if config.graph_triples == "gold_path":
+        evidence = _gold_path_evidence(warehouse, items, config)
+    elif config.graph_triples == "gsrm":
+        if tools is None:
+            raise ValueError("graph_triples='gsrm' retrieves with GSRM: pass KnowledgeTools(Retriever(warehouse, encoder))")
+        evidence = _gsrm_evidence(tools, items, a2rag)
+    else:
+        raise ValueError(f"graph_triples must be 'gsrm' or 'gold_path', got {config.graph_triples!r}")
+    return [ProjectorExample(item, _reply(item), tuple(triples), tuple(triples[: a2rag.context_triples]))
+            for item, triples in zip(items, evidence) if triples]
+
+
+def projector_examples(warehouse: Warehouse, tools: KnowledgeTools | None, config: ProjectorConfig,
+                       a2rag: A2RagConfig | None = None) -> tuple[list[ProjectorExample], list[ProjectorExample]]:
+    """(train, validation) examples: `train_items` and `valid_items` seeded samples of the splits, each
+    question's triples retrieved once (`tools` may be None with graph_triples="gold_path"), with the A2RAG
+    configuration evaluation uses (pass the tuned GSRM tau/K/N)."""
+    return (load_examples(warehouse, "train", config, tools, limit=config.train_items, a2rag=a2rag),
+            load_examples(warehouse, "validation", config, tools, limit=config.valid_items, a2rag=a2rag))
+
+
+def _gsrm_evidence(tools: KnowledgeTools, items: Sequence[QaItem], a2rag: A2RagConfig,
+                   batch_size: int = 16) -> list[list[Triple]]:
+    """A2RAG's T_KG for each question: GSRM's top-N triples, best first."""
+    found: list[list[Triple]] = []
+    for start in range(0, len(items), batch_size):
+        batch = items[start: start + batch_size]
+        entities = tools.question_entities(batch)
+        results = gsrm_refine(tools, entities, [item.question for item in batch], a2rag.tau, a2rag.iterations,
+                              a2rag.top_n, a2rag.max_triples_per_relation)
+        found += [[t for t, _ in result.triples] for result in results]
+    return found
+
+
+def _gold_path_evidence(warehouse: Warehouse, items: Sequence[QaItem], config: ProjectorConfig) -> list[list[Triple]]:
+    """Each question's gold path plus shuffled 1-hop distractors of its entities (an experiment, not A2RAG)."""
     rng = random.Random(config.seed)
     graph = KnowledgeGraph(warehouse)
     try:
-        gold = {t.edge_id: t for t in graph.triples({e for row in rows for e in row[5]})}
-        examples = []
-        for qid, question, options_json, answer, acceptable, gold_path, seed_cuis in rows:
-            options = json.loads(options_json) if options_json else {}
-            evidence = [gold[e] for e in gold_path if e in gold]
+        gold = {t.edge_id: t for t in graph.triples({e for item in items for e in item.extra["gold_path"]})}
+        found = []
+        for item in items:
+            path = list(item.extra["gold_path"])
+            evidence = [gold[e] for e in path if e in gold]
             if not evidence:
+                found.append([])
                 continue
-            nearby = [t for t in graph.one_hop(list(seed_cuis), limit_per_node=4 * config.distractors)
-                      if t.edge_id not in set(gold_path)]
+            nearby = [t for t in graph.one_hop(list(item.extra["seed_cuis"]), limit_per_node=4 * config.distractors)
+                      if t.edge_id not in set(path)]
             triples = evidence + rng.sample(nearby, min(config.distractors, len(nearby)))
             rng.shuffle(triples)
-            reply = f"{answer}: {options[answer]}" if options else (list(acceptable) or [answer])[0]
-            examples.append(ProjectorExample(qid, question, options, reply, tuple(triples[: config.max_triples])))
+            found.append(triples[: config.max_triples])
     finally:
         graph.close()
-    return examples
+    return found
 
 
 def answer_nll(llm: ChatModel, examples: Sequence[ProjectorExample], graph_tokens: Sequence[Tensor | None]) -> Tensor:
-    """Mean per-token negative log-likelihood of each example's answer (B,), the LLM frozen.
+    """Mean per-token negative log-likelihood of each example's answer (B,), the LLM frozen, under A2RAG's
+    answer prompt: with graph tokens (and the prompt's note about them), or text-only when `graph_tokens`
+    is None.
 
     Prompt rows come left-padded from `prompt_embeddings`; the answer tokens are
     appended on the right (right-padded), with positions counted from each row's
@@ -203,8 +263,8 @@ def answer_nll(llm: ChatModel, examples: Sequence[ProjectorExample], graph_token
     from medgraph.llm.hf import left_padded_position_ids
 
     embed = llm.model.get_input_embeddings()
-    prompts, prompt_mask = llm.prompt_embeddings([question_prompt(e.question, e.options) for e in examples],
-                                                 graph_tokens)
+    with_tokens = graph_tokens is not None
+    prompts, prompt_mask = llm.prompt_embeddings([e.conversation(with_tokens) for e in examples], graph_tokens)
     eos = llm.tokenizer.eos_token or ""
     answers = [llm.tokenizer(e.answer + eos, add_special_tokens=False)["input_ids"] for e in examples]
     width = max(len(a) for a in answers)
@@ -244,11 +304,12 @@ def token_embedding_norm(llm: ChatModel) -> float:
 def train_projector(llm: ChatModel, gat: GatModel, features: NodeFeatures, train: Sequence[ProjectorExample],
                     valid: Sequence[ProjectorExample], config: ProjectorConfig,
                     log_fn: Callable[[int, dict[str, float]], None] | None = None) -> ProjectorResult:
-    """Train W_proj (only) on answer likelihood; report validation NLL with graph tokens and text-only."""
+    """Train W_proj (only) on answer likelihood; report validation NLL with graph tokens, untrained graph
+    tokens, and text-only (the gate's baseline), all on the same validation questions and prompts."""
     if not getattr(llm, "supports_graph_tokens", False) or not hasattr(llm, "prompt_embeddings"):
         raise TypeError(f"{llm.name}: training W_proj needs an in-process transformers model (graph tokens)")
     if not train or not valid:
-        raise ValueError(f"projector training needs train and validation questions with gold paths "
+        raise ValueError(f"projector training needs train and validation questions with retrieved triples "
                          f"(found {len(train)} train, {len(valid)} validation): materialize qa/qa_items")
     torch.manual_seed(config.seed)
     llm.model.requires_grad_(False)

@@ -110,7 +110,8 @@ class GatResult:
     """A trained model (best validation epoch, CPU, eval mode) and how it got there."""
 
     model: GatModel
-    metrics: dict[str, float]  # valid_* and test_*: roc_auc, accuracy, mrr, hits_at_10; threshold, ...
+    metrics: dict[str, float]  # valid_* and test_*: roc_auc, accuracy, mrr, hits_at_10; threshold,
+    # valid_roc_auc_untrained (the same model untrained, on the same validation edges: the gate's baseline), ...
     history: list[dict[str, float]]  # one entry per epoch
     config: GatConfig
     timings: dict[str, float]  # seconds per phase and training edges_per_second
@@ -478,6 +479,10 @@ def fit_gat(data: PreparedGraph, features: Tensor, config: GatConfig,
     model = GatModel(features.shape[1], data.num_relations, config.hidden, config.heads, config.layers,
                      config.dropout, config.edge_dim).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
+    # The champion gate's baseline: this architecture and initialisation untrained, scored exactly as the
+    # final model is (same validation edges, negatives and neighbour samples: evaluate seeds its own generator).
+    untrained = evaluate(model, sampler, features, valid, known, config, config.seed + 1, amp_dtype)
+    untrained_auc = roc_auc(untrained["positive"], untrained["negative"])
     scaler = torch.amp.GradScaler(device.type, enabled=amp_dtype == torch.float16)
     generator = torch.Generator(device=device).manual_seed(config.seed)  # negatives and neighbour samples
     state = _new_state()
@@ -548,7 +553,8 @@ def fit_gat(data: PreparedGraph, features: Tensor, config: GatConfig,
     threshold = best_threshold(valid_scores["positive"], valid_scores["negative"])
     metrics = {f"valid_{k}": v for k, v in split_metrics(valid_scores, threshold, True).items()}
     metrics.update({f"test_{k}": v for k, v in split_metrics(test_scores, threshold, True).items()})
-    metrics.update(threshold=threshold, best_epoch=float(state["best_epoch"]), steps=float(state["step"]))
+    metrics.update(threshold=threshold, best_epoch=float(state["best_epoch"]), steps=float(state["step"]),
+                   valid_roc_auc_untrained=untrained_auc)
     finished = time.perf_counter()
     timings = {"setup_seconds": prepared - started, "train_seconds": state["train_seconds"],
                "eval_seconds": finished - trained, "total_seconds": finished - started,

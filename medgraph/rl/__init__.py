@@ -5,7 +5,7 @@
     grpo.py      group-normalized advantages, clipped ratio, k3 KL to a frozen reference, the trainer
     sft.py       the gold-path expert and masked SFT
     model.py     the trainable policy (optionally LoRA), resumable atomic checkpoints, token scoring
-    policy.py    the policy as an MLflow model; `load_champion_policy`
+    policy.py    the policies as MLflow models, their champion gates; `choose_policy` for evaluation
     scale.py     torch distributed data parallel, vLLM rollout server
     train.py     GRPO from the command line (torchrun, vLLM), outside Dagster
 
@@ -24,19 +24,31 @@ scale-out TRL would give us (vLLM generation, DDP) is in scale.py.
 """
 
 from medgraph.rl.grpo import GrpoConfig, GrpoResult, group_advantages, grpo_token_loss, k3_kl, train_grpo
-from medgraph.rl.policy import POLICY_MODEL_NAME, load_champion_policy, load_policy, log_policy
+from medgraph.rl.policy import (
+    POLICY_MODEL_NAME,
+    SFT_MODEL_NAME,
+    PolicyChoice,
+    choose_policy,
+    load_champion_policy,
+    load_chosen_policy,
+    load_policy,
+    log_policy,
+)
 from medgraph.rl.rewards import Reward, episode_reward
 from medgraph.rl.rollout import EncodedConversation, Trajectory, encode_conversation, evaluate, rollout
 from medgraph.rl.sft import SftConfig, expert_demonstrations, load_qa_items, train_sft
 
 __all__ = [
     "POLICY_MODEL_NAME",
+    "SFT_MODEL_NAME",
     "EncodedConversation",
     "GrpoConfig",
     "GrpoResult",
+    "PolicyChoice",
     "Reward",
     "SftConfig",
     "Trajectory",
+    "choose_policy",
     "encode_conversation",
     "episode_reward",
     "evaluate",
@@ -45,6 +57,7 @@ __all__ = [
     "grpo_token_loss",
     "k3_kl",
     "load_champion_policy",
+    "load_chosen_policy",
     "load_policy",
     "load_qa_items",
     "log_policy",

@@ -1,4 +1,14 @@
-"""The trained Graph-R1 policy in MLflow: log it, load it, find the champion.
+"""The trained Graph-R1 policies in MLflow: log them, gate them, load them, pick the one evaluation runs.
+
+Two registered models: the cold-start SFT policy (`medgraph-graph-r1-sft`,
+gated against the base model) and the GRPO policy (`medgraph-graph-r1-policy`,
+gated against its SFT start). Both gates: validation reward strictly higher
+and validation accuracy not lower, on the same validation questions (the
+reward is the finer signal on few questions; accuracy guards against a
+format-only gain). `choose_policy` says which policy a Graph-R1 method or
+ablation runs with: `graph-r1` the GRPO champion, else the SFT champion, else
+the base LLM; `graph-r1-sft-only` the SFT champion or nothing (skipped);
+`graph-r1-no-sft` the base LLM.
 
 A policy is an `mlflow.pyfunc` model whose one artifact is the plain Hugging
 Face checkpoint directory (weights, tokenizer, chat template), and whose
@@ -16,6 +26,7 @@ import importlib.metadata
 import logging
 import os
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
@@ -24,12 +35,27 @@ import mlflow
 
 from medgraph.llm.base import ChatModel, GenerationConfig, Message
 from medgraph.llm.hf import TransformersChatModel
+from medgraph.tracking import MODEL_NAMES, Baseline, Gate, Tracking
 
 log = logging.getLogger(__name__)
 
-POLICY_MODEL_NAME = "medgraph-graph-r1-policy"
-POLICY_GATE_METRIC = "valid_accuracy"
+POLICY_MODEL_NAME = MODEL_NAMES["graph_r1_policy"]
+SFT_MODEL_NAME = MODEL_NAMES["graph_r1_sft"]
+POLICY_GATE = Gate("valid_reward", not_worse=("valid_accuracy",))  # GRPO vs its SFT start (or the champion)
+SFT_GATE = POLICY_GATE  # SFT vs the base model (or the champion)
 CHECKPOINT_ARTIFACT = "checkpoint"
+
+
+def sft_start_baseline(metrics: Mapping[str, float], sft_uri: str) -> Baseline:
+    """The GRPO gate's baseline: the SFT policy it started from, validated at step 0 (`valid_*_start`)."""
+    return Baseline(f"SFT start {sft_uri}", {m: metrics[f"{m}_start"] for m in POLICY_GATE.metrics
+                                             if f"{m}_start" in metrics})
+
+
+def base_model_baseline(before: Mapping[str, float], base_name: str) -> Baseline:
+    """The SFT gate's baseline: the base model on the same validation questions (`evaluate`'s keys)."""
+    return Baseline(f"base model {base_name}", {m: before[m.removeprefix("valid_")] for m in SFT_GATE.metrics
+                                                if m.removeprefix("valid_") in before})
 
 
 class GraphR1PolicyModel(mlflow.pyfunc.PythonModel):
@@ -87,27 +113,76 @@ def download_checkpoint(model_uri: str, out_dir: Path) -> Path:
     return found[0]
 
 
-def load_champion_policy(tracking_uri: str | None = None, home: Path | None = None) -> ChatModel | None:
-    """The registered champion policy as a chat model, or None when nothing is registered.
-
-    `tracking_uri` defaults to the settings' (MLFLOW_TRACKING_URI, else the SQLite file under
-    `home`, default MEDGRAPH_HOME).
-    """
+def _tracking(tracking_uri: str | None, home: Path | None) -> Tracking:
+    """The settings' tracking server (MLFLOW_TRACKING_URI, else the SQLite file under `home`, default
+    MEDGRAPH_HOME) unless `tracking_uri` is given."""
     from medgraph.settings import load_settings
-    from medgraph.tracking import Tracking
 
     env = dict(os.environ)
     if home is not None:
         env["MEDGRAPH_HOME"] = str(home)
     settings = load_settings(env)
-    tracking = Tracking(tracking_uri or settings.mlflow_tracking_uri, str(settings.home / "artifacts"))
-    version = tracking.champion_version(POLICY_MODEL_NAME)
+    return Tracking(tracking_uri or settings.mlflow_tracking_uri, str(settings.home / "artifacts"))
+
+
+def load_champion_policy(tracking_uri: str | None = None, home: Path | None = None,
+                         name: str = POLICY_MODEL_NAME) -> ChatModel | None:
+    """The registered champion of `name` (the GRPO policy by default, or SFT_MODEL_NAME) as a chat model,
+    or None when nothing is registered."""
+    tracking = _tracking(tracking_uri, home)
+    version = tracking.champion_version(name)
     if version is None:
-        log.info("no %s@champion in %s", POLICY_MODEL_NAME, tracking.tracking_uri)
+        log.info("no %s@champion in %s", name, tracking.tracking_uri)
         return None
     mlflow.set_tracking_uri(tracking.tracking_uri)
     mlflow.set_registry_uri(tracking.tracking_uri)
-    chat = load_policy(tracking.model_uri(POLICY_MODEL_NAME))
-    log.info("Graph-R1 policy: %s v%s (%s)", POLICY_MODEL_NAME, version, chat.name)
+    chat = load_policy(tracking.model_uri(name))
+    log.info("Graph-R1 policy: %s v%s (%s)", name, version, chat.name)
     return chat
 
+
+# Which policy a Graph-R1 method or ablation runs with, in order of preference ("base": the base LLM).
+POLICY_PREFERENCE: dict[str, tuple[str, ...]] = {
+    "graph-r1-no-sft": ("base",),  # no SFT, no GRPO
+    "graph-r1-sft-only": ("sft",),  # SFT, no GRPO: without an SFT champion the run is skipped, not faked
+}
+DEFAULT_PREFERENCE = ("grpo", "sft", "base")  # graph-r1 and its action ablations
+_REGISTERED = {"grpo": (POLICY_MODEL_NAME, "GRPO champion"), "sft": (SFT_MODEL_NAME, "SFT champion")}
+
+
+@dataclass(frozen=True)
+class PolicyChoice:
+    """The policy one Graph-R1 method or ablation runs with."""
+
+    method: str
+    source: str | None  # "grpo" | "sft" | "base"; None: no acceptable policy is registered (skip the method)
+    model_uri: str | None  # models:/<name>/<version>; None for the base LLM
+    description: str  # for lineage and results, e.g. "medgraph-graph-r1-sft v2 (SFT champion)"
+
+
+def choose_policy(method: str, tracking_uri: str | None = None, home: Path | None = None) -> PolicyChoice:
+    """The policy `method` runs with (see POLICY_PREFERENCE), pinned to the champion's version now."""
+    tracking = _tracking(tracking_uri, home)
+    uri = tracking.tracking_uri
+    no_database = uri.startswith("sqlite:///") and not Path(uri.removeprefix("sqlite:///")).exists()
+    preference = POLICY_PREFERENCE.get(method, DEFAULT_PREFERENCE)
+    for source in preference:
+        if source == "base":
+            return PolicyChoice(method, "base", None, "base LLM (no SFT, no GRPO)")
+        name, role = _REGISTERED[source]
+        version = None if no_database else tracking.champion_version(name)  # do not create a database by asking
+        if version is not None:
+            return PolicyChoice(method, source, f"models:/{name}/{version}", f"{name} v{version} ({role})")
+    wanted = " or ".join(f"{_REGISTERED[s][0]}@champion" for s in preference)
+    return PolicyChoice(method, None, None, f"skipped: no {wanted} in {uri}")
+
+
+def load_chosen_policy(choice: PolicyChoice, tracking_uri: str | None = None,
+                       home: Path | None = None) -> ChatModel | None:
+    """The chat model of a choice; None for the base LLM (and for a skipped method)."""
+    if choice.model_uri is None:
+        return None
+    tracking = _tracking(tracking_uri, home)
+    mlflow.set_tracking_uri(tracking.tracking_uri)
+    mlflow.set_registry_uri(tracking.tracking_uri)
+    return load_policy(choice.model_uri)

@@ -6,7 +6,8 @@
 Reads the warehouse and encoder from the settings (MEDGRAPH_HOME, MEDGRAPH_ENCODER), trains on the
 train split, resumes from `<out>/checkpoints` after an interruption, and on rank 0 writes the merged
 policy to `<out>/policy` and, with --register, logs it to MLflow as `medgraph-graph-r1-policy`
-behind the champion gate. The Dagster asset `models/graph_r1_policy` runs the same `train_grpo`.
+behind the champion gate (the champion, or with none the SFT start validated at step 0). The
+Dagster asset `models/graph_r1_policy` runs the same `train_grpo`.
 """
 
 from __future__ import annotations
@@ -56,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     policy_dir = save_policy(result.policy, args.out / "policy")
     print(json.dumps({"policy": str(policy_dir), **result.metrics}))
     if args.register:
-        from medgraph.rl.policy import POLICY_GATE_METRIC, POLICY_MODEL_NAME, log_policy
+        from medgraph.rl.policy import POLICY_GATE, POLICY_MODEL_NAME, log_policy, sft_start_baseline
         from medgraph.tracking import Tracking
 
         tracking = Tracking(settings.mlflow_tracking_uri, str(settings.home / "artifacts"))
@@ -67,8 +68,9 @@ def main(argv: list[str] | None = None) -> int:
             mlflow.log_metrics(result.metrics)
             mlflow.log_figure(training_curves_figure(result.history), "training_curves.png")
             uri = log_policy(policy_dir, result.policy.name, metadata={"graph_r1_config": config.as_dict()})
-            version = tracking.register(uri, POLICY_MODEL_NAME)
-            print(tracking.promote_if_better(POLICY_MODEL_NAME, version, POLICY_GATE_METRIC).reason)
+            _, promotion = tracking.register_and_gate(uri, POLICY_MODEL_NAME, POLICY_GATE,
+                                                      sft_start_baseline(result.metrics, str(args.model_dir)))
+            print(promotion.reason)
     return 0
 
 
