@@ -5,7 +5,7 @@ import dagster as dg
 
 import jobs
 import sensors
-from platform_assets import embeddings, evaluation, kg, models, policy, qa, text, umls
+from platform_assets import embeddings, evaluation, gsrm, kg, models, policy, qa, text, umls
 from resources import build_resources
 
 defs = dg.Definitions.merge(
@@ -15,6 +15,7 @@ defs = dg.Definitions.merge(
     text.defs,
     embeddings.defs,
     models.defs,
+    gsrm.defs,
     policy.defs,
     evaluation.defs,
     jobs.defs,

@@ -30,9 +30,11 @@ umls_ingest_job = dg.define_asset_job(
     description="Ingest the UMLS release into the lake and the warehouse (umls.* tables).",
 )
 
-# The method evaluations (one run per dataset partition); the report follows by automation.
+# The method evaluations (one run per dataset partition); GSRM's test recall (unpartitioned, no LLM) and the
+# report follow by automation.
 EVALUATIONS = dg.AssetSelection.groups("evaluation") - dg.AssetSelection.assets(
-    dg.AssetKey(["eval", "qa_benchmark"]), dg.AssetKey(["eval", "evaluation_report"]))
+    dg.AssetKey(["eval", "qa_benchmark"]), dg.AssetKey(["eval", "evaluation_report"]),
+    dg.AssetKey(["eval", "gsrm_recall"]))
 evaluate_job = dg.define_asset_job(
     "evaluate_methods",
     selection=EVALUATIONS,

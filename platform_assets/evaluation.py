@@ -15,6 +15,7 @@ import mlflow
 
 from medgraph.eval.benchmarks import dataset_names, load_benchmark
 from medgraph.eval.evaluate import markdown_table, summarize, write_run
+from medgraph.eval.gsrm import read_gsrm_params, with_tuned_gsrm
 from medgraph.eval.monitoring import (
     Alarm,
     EvalTableMissing,
@@ -84,13 +85,21 @@ def _load_graph_tokenizer(chat, store, tracking_uri: str):
     return load_champion_graph_tokenizer(chat, store, tracking_uri)
 
 
-def _load_policy(tracking_uri: str, home: Path):
-    """The champion Graph-R1 policy, or None (the base LLM then plays the policy)."""
-    try:
-        from medgraph.rl.policy import load_champion_policy
-    except ImportError:
-        return None
-    return load_champion_policy(tracking_uri=tracking_uri, home=home)
+def _load_policy(methods: list[str] | tuple[str, ...], tracking_uri: str, home: Path) -> dict[str, tuple]:
+    """Graph-R1 method or ablation -> (PolicyChoice, its chat model or None for the base LLM): `graph-r1`
+    the GRPO champion, else the SFT champion, else the base LLM; `graph-r1-sft-only` the SFT champion or
+    nothing (choice.source None: skipped); `graph-r1-no-sft` the base LLM. Each model is loaded once."""
+    from medgraph.methods.registry import method_of
+    from medgraph.rl.policy import choose_policy, load_chosen_policy
+
+    loaded: dict[str | None, object] = {None: None}
+    policies = {}
+    for method in (m for m in methods if method_of(m) == "graph-r1"):
+        choice = choose_policy(method, tracking_uri, home)
+        if choice.model_uri not in loaded:
+            loaded[choice.model_uri] = load_chosen_policy(choice, tracking_uri, home)
+        policies[method] = (choice, loaded[choice.model_uri])
+    return policies
 
 
 def _eval_asset(name: str, methods: tuple[str, ...], model_deps: tuple[dg.AssetKey, ...], description: str):
@@ -119,20 +128,30 @@ def _eval_asset(name: str, methods: tuple[str, ...], model_deps: tuple[dg.AssetK
         chat = llm.load()
         tracking_uri = mlflow_tracking.tracking_uri
         graph_tokenizer = _load_graph_tokenizer(chat, store, tracking_uri) if "a2rag" in name else None
-        policy = _load_policy(tracking_uri, home) if name == "eval_graph_r1" else None
+        policies = _load_policy(config.methods or methods, tracking_uri, home)
         lineage = {"llm": chat.name, "encoder": encoder.load().encoder_id,
                    "hiim": "graph-tokens" if graph_tokenizer is not None else "text-only",
-                   "graph_r1_policy": getattr(policy, "name", "base LLM") if name == "eval_graph_r1" else "n/a"}
+                   "graph_r1_policy": "; ".join(f"{m}: {c.description}" for m, (c, _) in policies.items()) or "n/a"}
+        if name == "eval_a2rag":  # tau, K, N tuned on validation by models/gsrm_params; method_config still wins
+            overrides, gsrm_lineage = with_tuned_gsrm(read_gsrm_params(home), config.methods or methods, overrides)
+            lineage.update(gsrm_lineage)
         results = []
         with Retriever(store, encoder.load()) as retriever, \
                 mlflow_tracking.start_asset_run(context, inputs, run_name=f"{name}-{dataset}") as run:
             mlflow.set_tags({"dataset": dataset, **{f"lineage/{k}": v for k, v in lineage.items()}})
             tools = KnowledgeTools(retriever)
             for method in config.methods or methods:
-                model = policy if (method.startswith("graph-r1") and policy is not None) else chat
+                choice, policy = policies.get(method, (None, None))
+                if choice is not None and choice.source is None:  # e.g. SFT-only without an SFT champion
+                    context.log.warning(f"{method} on {dataset}: {choice.description}")
+                    continue
+                model = policy if policy is not None else chat
                 context.log.info(f"{method} on {dataset}: {len(items)} questions with {model.name}")
-                results += run_method(method, items, tools, model, make_config(method, overrides.get(method)),
+                answered = run_method(method, items, tools, model, make_config(method, overrides.get(method)),
                                       batch_size=config.batch_size, graph_tokenizer=graph_tokenizer)
+                for result in answered if choice is not None else ():
+                    result.stats.update(graph_r1_policy=choice.description, graph_r1_policy_source=choice.source)
+                results += answered
             summaries = summarize(results)
             for s in summaries:
                 mlflow.log_metrics({metric_name(f"{s.method}/{k}"): v for k, v in s.as_row().items()
@@ -158,12 +177,13 @@ def _eval_asset(name: str, methods: tuple[str, ...], model_deps: tuple[dg.AssetK
 
 GAT = dg.AssetKey(["models", "gat_model"])
 PROJECTOR = dg.AssetKey(["models", "hiim_projector"])
+GSRM_PARAMS = dg.AssetKey(["models", "gsrm_params"])
 POLICY = dg.AssetKey(["models", "graph_r1_policy"])
 
 eval_assets = [
     _eval_asset("eval_baselines", ("cot", "rag", "irag"), (),
                 "Baselines: chain of thought, single-round hybrid RAG (MedRAG style), follow-up RAG (i-MedRAG style)."),
-    _eval_asset("eval_a2rag", ("a2rag",), (GAT, PROJECTOR),
+    _eval_asset("eval_a2rag", ("a2rag",), (GAT, PROJECTOR, GSRM_PARAMS),
                 "A2RAG (AWC + GSRM + HIIM with the champion projector, text-only fallback recorded)."),
     _eval_asset("eval_graph_r1", ("graph-r1",), (POLICY,),
                 "The Graph-R1 agent driven by the champion policy (the base LLM when none is registered)."),
@@ -258,19 +278,31 @@ def _ingested_release_fingerprint(instance: dg.DagsterInstance) -> str:
     return version.value if version else "unknown"
 
 
+class ReportConfig(dg.Config):
+    reference: str = "rag"
+    """The method every other method is compared with, question by question (paired bootstrap CI, McNemar)."""
+
+
+def _latest_metadata(instance: dg.DagsterInstance, key: dg.AssetKey, name: str) -> str | None:
+    event = instance.get_latest_materialization_event(key)
+    value = event.asset_materialization.metadata.get(name) if event else None
+    return None if value is None else str(value.value)
+
+
 @dg.asset(
     key=["eval", "evaluation_report"],
-    deps=[a.key for a in eval_assets],
+    deps=[*(a.key for a in eval_assets), dg.AssetKey(["eval", "gsrm_recall"])],
     group_name="evaluation",
     kinds={"html", "markdown", "mlflow"},
-    code_version="1",
+    code_version="2",
     automation_condition=dg.AutomationCondition.eager(),
 )
-def evaluation_report(context: dg.AssetExecutionContext, warehouse: WarehouseResource, encoder: EncoderResource,
-                      llm: LlmResource, mlflow_tracking: MlflowResource) -> dg.MaterializeResult:
-    """`$MEDGRAPH_HOME/reports/report.md` and `report.html`: accuracy with error bars, ablations, routing,
-    rounds, GSRM recall, GRPO reward curve, cost, and the lineage of every number."""
-    from medgraph.eval.report import ReportData, build_report, read_summaries
+def evaluation_report(context: dg.AssetExecutionContext, config: ReportConfig, warehouse: WarehouseResource,
+                      encoder: EncoderResource, llm: LlmResource, mlflow_tracking: MlflowResource) -> dg.MaterializeResult:
+    """`$MEDGRAPH_HOME/reports/report.md` and `report.html`: whether n can separate the methods, accuracy, evidence
+    recall, paired differences with CIs (forest plots), ablations, GSRM Recall@10 per iteration, the seed-claims
+    table, routing, rounds, GRPO curves, cost, and the lineage of every number. Writes `eval.paired_comparisons`."""
+    from medgraph.eval.report import assemble, build_report
 
     store = warehouse.open()
     tracking = mlflow_tracking.tracking()
@@ -279,22 +311,38 @@ def evaluation_report(context: dg.AssetExecutionContext, warehouse: WarehouseRes
     for name in ("medgraph-gat", "medgraph-hiim-projector", "medgraph-graph-r1-policy"):
         lineage[f"{name}@champion"] = f"v{tracking.champion_version(name)}" if tracking.champion_version(name) \
             else "none registered"
-    summaries = read_summaries(store)
-    if not summaries:
+    for key, field in (("graph-r1 policy", "graph_r1_policy"), ("GSRM tau", "gsrm_tau"),
+                       ("GSRM iterations K", "gsrm_iterations"), ("GSRM top N", "gsrm_top_n"),
+                       ("GSRM parameters from", "gsrm_params_source")):
+        asset = "eval_graph_r1" if field == "graph_r1_policy" else "eval_a2rag"
+        value = _latest_metadata(context.instance, dg.AssetKey(["eval", asset]), field)
+        if value is not None:
+            lineage[key] = value
+    data = assemble(store, lineage, _reward_curves(tracking, "medgraph-graph-r1-policy"), config.reference)
+    if not data.summaries:
         raise dg.Failure("no evaluation results yet: materialize the eval/* assets first")
-    data = ReportData(summaries, lineage, _reward_curves(tracking, "medgraph-graph-r1-policy"))
     paths = build_report(data, Path(warehouse.home) / "reports")
     with mlflow_tracking.start_asset_run(context, [a.key for a in eval_assets]):
         mlflow.log_artifact(str(paths["markdown"]))
         mlflow.log_artifact(str(paths["html"]))
+        for c in data.comparisons:
+            prefix = metric_name(f"paired/{c.method}-vs-{c.reference}/{c.dataset}/{c.metric}")
+            mlflow.log_metrics({f"{prefix}/difference": c.difference, f"{prefix}/ci_low": c.ci_low,
+                                f"{prefix}/ci_high": c.ci_high, f"{prefix}/p_value": c.p_value, f"{prefix}/n": c.n})
+        mlflow.log_dict({"comparisons": [c.as_row() for c in data.comparisons],
+                         "claims": [dict(zip(("claim", "seed", "measured", "ci", "n", "verdict"), c.as_row()))
+                                    for c in data.claims]}, "paired_and_claims.json")
         # MLflow tag keys allow letters, digits, "_-. :/" only.
         mlflow.set_tags({"lineage/" + "".join(c if c.isalnum() or c in "_-. :/" else ":" for c in k): v
                          for k, v in lineage.items()})
     context.log.info(f"report: {paths['html']}")
+    separable = sum(1 for c in data.comparisons if c.metric == "correct" and not c.too_small)
     return dg.MaterializeResult(metadata={
         "report_html": dg.MetadataValue.path(str(paths["html"])),
         "report_markdown": dg.MetadataValue.path(str(paths["markdown"])),
-        "methods": len({s["method"] for s in summaries}), "rows": len(summaries),
+        "methods": len({s["method"] for s in data.summaries}), "rows": len(data.summaries),
+        "paired_comparisons": len(data.comparisons), "accuracy_comparisons_with_ci_width_le_0.2": separable,
+        "claims_holding": sum(c.verdict.startswith("holds") for c in data.claims),
         "preview": dg.MetadataValue.md(paths["markdown"].read_text(encoding="utf-8").split("## Latency")[0]),
     })
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from medgraph.eval.claims import seed_claims
+from medgraph.eval.paired import paired_comparisons
 from medgraph.eval.report import ReportData, build_report
 
 
@@ -18,12 +20,48 @@ def test_report_compares_ablations_with_their_method_and_shows_gsrm_recall(tmp_p
                                           "routing_share/KG-only": 1.0}),
                  summary("a2rag-no-hiim", 0.375), summary("sema-rag-no-e-agent", 0.25)]
     lineage = {"release fingerprint": "0123abcd", "LLM": "smollm2-135m-instruct"}
-    paths = build_report(ReportData(summaries, lineage, {"reward": [(1, 0.1), (2, 0.3)]}), tmp_path)
+    results = [{"method": m, "dataset": "kgqa_mc", "qid": f"q{i}", "correct": c, "latency_s": 1.0}
+               for m, outcomes in (("a2rag", [1, 1, 1, 1, 0, 0, 0, 0]), ("a2rag-no-hiim", [1, 1, 1, 0, 0, 0, 0, 0]))
+               for i, c in enumerate(outcomes)]
+    comparisons = paired_comparisons(results, ablations={"a2rag-no-hiim": "a2rag"})
+    paths = build_report(ReportData(summaries, lineage, {"reward": [(1, 0.1), (2, 0.3)]}, comparisons), tmp_path)
     markdown = paths["markdown"].read_text(encoding="utf-8")
     ablations = markdown.split("## Ablations")[1].split("##")[0]
-    assert "| a2rag-no-hiim | a2rag | kgqa_mc | 8 | 0.375 | 0.100 | 0.500 | -0.125 | 0.000 |" in ablations
-    assert "| sema-rag-no-e-agent | sema-rag | kgqa_mc | 8 | 0.250 | 0.100 | not run |" in ablations
+    assert "| a2rag-no-hiim | a2rag | kgqa_mc | 8 | 0.375 | 0.500 | -0.125 | [" in ablations
+    assert "| 1.000 | not separable at this n |" in ablations  # McNemar p for 1 discordant question
+    assert "| sema-rag-no-e-agent | sema-rag | kgqa_mc | 8 | 0.250 | not run |" in ablations
+    assert "cannot separate differences that matter" in markdown.split("## Accuracy")[0]
     assert "gsrm_recall/iter1" in markdown and "0.750" in markdown
     assert "| release fingerprint | 0123abcd |" in markdown
     html = paths["html"].read_text(encoding="utf-8")
     assert html.count("data:image/png;base64,") >= 3  # accuracy, cost, routing, reward curve plots inlined
+
+
+def test_report_shows_evidence_recall_paired_differences_gsrm_recall_and_seed_claims(tmp_path: Path):
+    summaries = [summary("rag", 0.5), summary("a2rag", 0.6)]
+    for row, recall in zip(summaries, (0.4, 0.9)):
+        row.update(evidence_pair_recall=recall, evidence_pair_recall_se=0.05, evidence_pair_recall_n=200,
+                   answer_in_evidence=recall, answer_in_evidence_se=0.05, answer_in_evidence_n=200,
+                   truncation_rate=0.125)
+    results = [{"method": m, "dataset": "kgqa_mc", "qid": f"q{i}", "latency_s": 1.0 if m == "rag" else 3.0,
+                "correct": i % 2 == 0 or (m == "a2rag" and i % 5 == 0),
+                "evidence_pair_recall": 1.0 if (m == "a2rag" or i % 3 == 0) else 0.0}
+               for m in ("rag", "a2rag") for i in range(200)]
+    comparisons = paired_comparisons(results)
+    gsrm = [{"dataset": "kgqa_short", "hops": 2, "iteration": k, "cutoff": 10, "recall": r, "recall_se": 0.03,
+             "n": 120, "tau": 0.4, "top_n": 50} for k, r in ((0, 0.31), (1, 0.52), (2, 0.55))]
+    claims = seed_claims(summaries, results, comparisons, [])
+    paths = build_report(ReportData(summaries, {"LLM": "x"}, {}, comparisons, gsrm, claims), tmp_path)
+    markdown = paths["markdown"].read_text(encoding="utf-8")
+    assert "## Evidence recall" in markdown and "| rag | kgqa_mc | 200 | 0.400 | 0.050 |" in markdown
+    paired = markdown.split("## Paired comparison with rag")[1].split("## ")[0]
+    evidence = next(line for line in paired.splitlines() if "| evidence_pair_recall |" in line)
+    assert "| a2rag | rag | kgqa_mc | evidence_pair_recall | 200 | 1.000 | 0.335 | 0.665 |" in evidence
+    assert evidence.endswith("| method better |")
+    assert "| kgqa_short | 2 | 2 | 10 | 0.550 | 0.030 | 120 | 0.400 | 50 |" in markdown
+    claims_table = markdown.split("## Seed claims vs this platform")[1]
+    assert "A2RAG latency per question is 2-4x single-round RAG | 2-4x | 3.00x" in claims_table
+    assert "not measured: materialize eval/gsrm_recall" in claims_table
+    assert "| 0.125 |" in markdown.split("## Accuracy per method")[1].split("##")[0]  # truncation column
+    html = paths["html"].read_text(encoding="utf-8")
+    assert html.count("data:image/png;base64,") >= 5  # accuracy, evidence, forest, gsrm, cost

@@ -12,11 +12,15 @@ import base64
 import html
 import io
 import json
+import math
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from medgraph.eval.claims import Claim
+from medgraph.eval.paired import Comparison
+from medgraph.eval.stats import SEPARABLE_CI_WIDTH
 from medgraph.storage import Warehouse
 
 SUMMARY_SUFFIX = "_summary"
@@ -30,6 +34,22 @@ class ReportData:
     summaries: list[dict[str, object]]  # one row per (asset, method, dataset); "extra" decoded
     lineage: dict[str, str]
     reward_curves: dict[str, list[tuple[int, float]]] = field(default_factory=dict)  # metric -> (step, value)
+    comparisons: list[Comparison] = field(default_factory=list)  # paired: methods vs reference, ablations
+    gsrm_recall: list[dict[str, object]] = field(default_factory=list)  # rows of eval.gsrm_recall
+    claims: list[Claim] = field(default_factory=list)  # the seed papers' claims vs our measurements
+    reference: str = "rag"
+
+
+def read_table(warehouse: Warehouse, table: str) -> list[dict[str, object]]:
+    """Rows of `eval.<table>` as dicts; [] when it does not exist yet."""
+    with warehouse.connect(read_only=True) as con:
+        exists = con.execute("SELECT count(*) FROM information_schema.tables WHERE table_schema = 'eval' "
+                             "AND table_name = ?", [table]).fetchone()[0]
+        if not exists:
+            return []
+        cursor = con.execute(f"SELECT * FROM eval.{table}")
+        columns = [c[0] for c in cursor.description]
+        return [dict(zip(columns, values, strict=True)) for values in cursor.fetchall()]
 
 
 def read_summaries(warehouse: Warehouse) -> list[dict[str, object]]:
@@ -146,6 +166,76 @@ def curve_plot(curves: Mapping[str, Sequence[tuple[int, float]]], title: str) ->
     return _figure_png(fig)
 
 
+def evidence_plot(summaries: Sequence[Mapping[str, object]]) -> str | None:
+    """Bars: share of gold facts (pairs) and of answers present in what the answering LLM saw, ± 1 s.e."""
+    rows = [s for s in summaries if _number(s.get("evidence_pair_recall_n")) > 0]
+    if not rows:
+        return None
+    plt = _plt()
+    labels = [f"{s['method']}\n{s['dataset']}" for s in rows]
+    xs = range(len(rows))
+    fig, axis = plt.subplots(figsize=(max(6, 0.9 * len(rows) + 2), 3.8))
+    for offset, key, label in ((-0.2, "evidence_pair_recall", "gold facts seen"),
+                               (0.2, "answer_in_evidence", "answer concept seen")):
+        axis.bar([x + offset for x in xs], [_number(s.get(key)) for s in rows], 0.4,
+                 yerr=[_number(s.get(f"{key}_se")) for s in rows], capsize=3, label=label)
+    axis.set_xticks(list(xs), labels, fontsize=7, rotation=30)
+    axis.set_ylim(0, 1.05)
+    axis.set_ylabel("share of questions (± 1 s.e.)")
+    axis.legend(fontsize=8)
+    axis.set_title("Evidence recall: what the answering LLM was shown")
+    return _figure_png(fig)
+
+
+def forest_plot(comparisons: Sequence[Comparison]) -> str | None:
+    """Each paired difference as a point with its 95% bootstrap CI; the dashed line is "no difference"."""
+    if not comparisons:
+        return None
+    plt = _plt()
+    fig, axis = plt.subplots(figsize=(7.5, 0.32 * len(comparisons) + 1.4))
+    for y, c in enumerate(reversed(comparisons)):
+        colour = "tab:green" if c.ci_low > 0 else "tab:red" if c.ci_high < 0 else "tab:gray"
+        axis.errorbar(c.difference, y, xerr=[[c.difference - c.ci_low], [c.ci_high - c.difference]], fmt="o",
+                      color=colour, capsize=3)
+    axis.axvline(0, color="black", linestyle="--", linewidth=1)
+    axis.set_yticks(range(len(comparisons)), [f"{c.method} - {c.reference} ({c.metric}, {c.dataset}, n={c.n})"
+                                              for c in reversed(comparisons)], fontsize=7)
+    axis.set_xlabel("difference (95% paired bootstrap CI)")
+    axis.set_title("Paired differences")
+    return _figure_png(fig)
+
+
+def gsrm_recall_plot(rows: Sequence[Mapping[str, object]]) -> str | None:
+    """Recall@10 of GSRM's ranked triples after each refinement iteration, per dataset and hop count."""
+    rows = [r for r in rows if int(r["cutoff"]) == 10]
+    if not rows:
+        return None
+    plt = _plt()
+    fig, axis = plt.subplots(figsize=(6, 3.6))
+    groups = sorted({(str(r["dataset"]), int(r["hops"])) for r in rows})
+    for dataset, hops in groups:
+        points = sorted((int(r["iteration"]), float(r["recall"]), float(r["recall_se"] or 0.0)) for r in rows
+                        if (r["dataset"], int(r["hops"])) == (dataset, hops))
+        n = max(int(r["n"]) for r in rows if (r["dataset"], int(r["hops"])) == (dataset, hops))
+        axis.errorbar([p[0] for p in points], [p[1] for p in points], yerr=[p[2] for p in points], marker="o",
+                      capsize=3, label=f"{dataset}, {hops}-hop (n={n})")
+    axis.set_xlabel("refinement iteration k")
+    axis.set_ylabel("Recall@10 (± 1 s.e.)")
+    axis.set_ylim(0, 1.05)
+    axis.set_xticks(sorted({int(r["iteration"]) for r in rows}))
+    axis.legend(fontsize=8)
+    axis.set_title("GSRM: Recall@10 of the ranked triple list (test split, no LLM)")
+    return _figure_png(fig)
+
+
+def _number(value: object) -> float:
+    try:
+        number = float(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        return 0.0
+    return 0.0 if math.isnan(number) else number
+
+
 # --- tables -----------------------------------------------------------------------------------------------
 
 
@@ -161,21 +251,57 @@ def _table(header: Sequence[str], rows: Sequence[Sequence[object]]) -> tuple[str
     return "\n".join(markdown), f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
 
 
-def _ablation_rows(summaries: Sequence[Mapping[str, object]]) -> list[tuple[object, ...]]:
-    """Each ablation next to its full method on the same dataset (change = ablation - method accuracy)."""
+def _ablation_rows(summaries: Sequence[Mapping[str, object]],
+                   comparisons: Sequence[Comparison]) -> list[tuple[object, ...]]:
+    """Each ablation next to its full method on the same dataset: the paired accuracy difference with its
+    95% CI and McNemar p on the questions both answered ("not run" when the full method was not)."""
     from medgraph.methods.registry import ABLATIONS
 
-    accuracy = {(s["method"], s["dataset"]): float(s["accuracy"]) for s in summaries}
+    paired = {(c.method, c.dataset): c for c in comparisons if c.kind == "ablation" and c.metric == "correct"}
     rows = []
     for s in summaries:
         if s["method"] not in ABLATIONS:
             continue
         method = ABLATIONS[str(s["method"])][0]
-        full = accuracy.get((method, s["dataset"]))
-        rows.append((s["method"], method, s["dataset"], s["questions"], float(s["accuracy"]), float(s["accuracy_se"]),
-                     "not run" if full is None else full,
-                     "" if full is None else float(s["accuracy"]) - full, float(s["parse_failure_rate"])))
+        c = paired.get((s["method"], s["dataset"]))
+        if c is None:
+            rows.append((s["method"], method, s["dataset"], s["questions"], float(s["accuracy"]), "not run",
+                         "", "", "", ""))
+            continue
+        rows.append((s["method"], method, s["dataset"], c.n, c.method_mean, c.reference_mean, c.difference,
+                     _interval(c), c.p_value, c.verdict))
     return rows
+
+
+def _interval(c: Comparison) -> str:
+    return f"[{c.ci_low:+.3f}, {c.ci_high:+.3f}]"
+
+
+def _sample_size_note(comparisons: Sequence[Comparison]) -> str:
+    """Whether the answer-level comparisons can separate anything at their n."""
+    accuracy = [c for c in comparisons if c.metric == "correct"]
+    if not accuracy:
+        return "No paired answer-level comparison (the reference method or the others were not run)."
+    widest = max(accuracy, key=lambda c: c.ci_width)
+    small = [c for c in accuracy if c.too_small]
+    separated = [c for c in accuracy if c.ci_low > 0 or c.ci_high < 0]
+    n = sorted({c.n for c in accuracy})
+    lines = [(f"Answer-level comparisons use n = {', '.join(map(str, n))} paired questions; the widest 95% CI of "
+              f"an accuracy difference spans {widest.ci_width:.2f} ({widest.method} vs {widest.reference}).")]
+    if small:
+        lines.append(f"**{len(small)} of {len(accuracy)} accuracy comparisons have a CI wider than "
+                     f"{SEPARABLE_CI_WIDTH:.1f}: at this n they cannot separate differences that matter. Read the "
+                     "retrieval-level metrics (evidence recall, GSRM Recall@10) for the comparison, or run the "
+                     "`bench` evaluation config (n >= 200 per dataset).**")
+    lines.append(f"{len(separated)} of {len(accuracy)} accuracy differences exclude 0 at 95%"
+                 + (": " + ", ".join(f"{c.method} vs {c.reference} ({c.dataset})" for c in separated) if separated
+                    else "."))
+    return "\n\n".join(lines)
+
+
+def _html_paragraphs(text: str) -> str:
+    escaped = html.escape(text).replace("**", "")
+    return "</p><p>".join(escaped.split("\n\n"))
 
 
 def build_report(data: ReportData, out_dir: Path) -> dict[str, Path]:
@@ -184,16 +310,54 @@ def build_report(data: ReportData, out_dir: Path) -> dict[str, Path]:
     summaries = data.summaries
     sections: list[tuple[str, str, str, str | None]] = []  # title, markdown, html, png (base64)
 
+    note = _sample_size_note(data.comparisons)
+    sections.append(("Can this run separate the methods?", note, f"<p>{_html_paragraphs(note)}</p>", None))
+
     rows = [(s["method"], s["dataset"], s["questions"], float(s["accuracy"]), float(s["accuracy_se"]),
-             float(s["parse_failure_rate"]), float(s["mean_f1"])) for s in summaries]
-    md, tab = _table(["method", "dataset", "n", "accuracy", "s.e.", "parse failures", "F1"], rows)
+             float(s["parse_failure_rate"]), _number(s.get("truncation_rate")), float(s["mean_f1"]))
+            for s in summaries]
+    md, tab = _table(["method", "dataset", "n", "accuracy", "s.e.", "parse failures", "truncated (extra call)",
+                      "F1"], rows)
     sections.append(("Accuracy per method and dataset", md, tab, accuracy_plot(summaries) if summaries else None))
 
-    ablations = _ablation_rows(summaries)
+    evidence = [(s["method"], s["dataset"], int(_number(s.get("evidence_pair_recall_n"))),
+                 _number(s.get("evidence_pair_recall")), _number(s.get("evidence_pair_recall_se")),
+                 _number(s.get("answer_in_evidence")), _number(s.get("answer_in_evidence_se")))
+                for s in summaries if _number(s.get("evidence_pair_recall_n")) > 0]
+    if evidence:
+        md, tab = _table(["method", "dataset", "n (with gold)", "gold facts seen", "s.e.", "answer seen", "s.e."],
+                         evidence)
+        sections.append(("Evidence recall (gold facts in what the answering LLM saw)", md, tab,
+                         evidence_plot(summaries)))
+
+    versus = [c for c in data.comparisons if c.kind == "method"]
+    if versus:
+        md, tab = _table(["method", "reference", "dataset", "metric", "n", "method", "reference", "difference",
+                          "95% CI", "McNemar / sign p", "verdict"],
+                         [(c.method, c.reference, c.dataset, c.metric, c.n, c.method_mean, c.reference_mean,
+                           c.difference, _interval(c), c.p_value, c.verdict) for c in versus])
+        sections.append((f"Paired comparison with {data.reference} (same questions)", md, tab, forest_plot(versus)))
+
+    ablations = _ablation_rows(summaries, data.comparisons)
     if ablations:
-        md, tab = _table(["ablation", "of", "dataset", "n", "accuracy", "s.e.", "method accuracy",
-                          "change", "parse failures"], ablations)
-        sections.append(("Ablations", md, tab, None))
+        md, tab = _table(["ablation", "of", "dataset", "n", "ablation accuracy", "method accuracy", "difference",
+                          "95% CI", "McNemar p", "verdict"], ablations)
+        forest = forest_plot([c for c in data.comparisons if c.kind == "ablation" and c.metric == "correct"])
+        sections.append(("Ablations (paired with the full method)", md, tab, forest))
+
+    if data.gsrm_recall:
+        md, tab = _table(["dataset", "hops", "iteration k", "cutoff", "recall", "s.e.", "n", "tau", "N"],
+                         [(r["dataset"], r["hops"], r["iteration"], r["cutoff"], float(r["recall"]),
+                           _number(r.get("recall_se")), r["n"], float(r["tau"]), r["top_n"])
+                          for r in sorted(data.gsrm_recall, key=lambda r: (r["dataset"], r["hops"], r["cutoff"],
+                                                                           r["iteration"]))])
+        sections.append(("GSRM Recall@10 / @N per refinement iteration (test split, no LLM)", md, tab,
+                         gsrm_recall_plot(data.gsrm_recall)))
+
+    if data.claims:
+        md, tab = _table(["claim", "seed", "measured here", "95% CI", "n", "verdict"],
+                         [c.as_row() for c in data.claims])
+        sections.append(("Seed claims vs this platform", md, tab, None))
 
     cost = [(s["method"], s["dataset"], float(s["prompt_tokens"]), float(s["completion_tokens"]),
              float(s["llm_calls"]), float(s["latency_p50_s"]), float(s["latency_p95_s"])) for s in summaries]
@@ -245,3 +409,24 @@ def build_report(data: ReportData, out_dir: Path) -> dict[str, Path]:
         staging.write_text(text, encoding="utf-8")
         os.replace(staging, path)
     return paths
+
+
+def assemble(warehouse: Warehouse, lineage: Mapping[str, str],
+             reward_curves: Mapping[str, Sequence[tuple[int, float]]] | None = None,
+             reference: str = "rag") -> ReportData:
+    """Everything the report shows, from the eval tables: summaries, paired comparisons (also written to
+    `eval.paired_comparisons`), GSRM recall and the seed-claims table."""
+    from medgraph.eval.claims import seed_claims
+    from medgraph.eval.evaluate import write_partition
+    from medgraph.eval.paired import paired_comparisons, read_results
+    from medgraph.methods.registry import ABLATIONS
+
+    summaries = read_summaries(warehouse)
+    results = read_results(warehouse)
+    comparisons = paired_comparisons(results, reference, {name: spec[0] for name, spec in ABLATIONS.items()})
+    if comparisons:
+        write_partition(warehouse, "paired_comparisons", "all", [c.as_row() for c in comparisons])
+    claims = seed_claims(summaries, results, comparisons, read_table(warehouse, "gsrm_recall_items"),
+                         lineage.get("graph-r1 policy"))
+    return ReportData(summaries, dict(lineage), {k: list(v) for k, v in (reward_curves or {}).items()},
+                      comparisons, read_table(warehouse, "gsrm_recall"), claims, reference)
