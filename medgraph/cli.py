@@ -158,7 +158,7 @@ def _cmd_ask(args: argparse.Namespace) -> int:
         return 2
     llm = None
     if method_of(args.method) == "graph-r1" and args.llm is None:
-        llm = _champion_policy(settings)  # the trained policy by default, when one is registered
+        llm = _champion_policy(settings, args.method)  # as evaluation picks it: GRPO, else SFT, else the base LLM
     llm = llm or load_llm(args.llm)
     graph_tokenizer = _champion_graph_tokenizer(llm, warehouse) if method_of(args.method) == "a2rag" else None
     with Retriever(warehouse, load_encoder(settings.encoder)) as retriever:
@@ -178,21 +178,19 @@ def _cmd_ask(args: argparse.Namespace) -> int:
     return 0
 
 
-def _champion_policy(settings: object):  # -> ChatModel | None
-    """`models:/medgraph-graph-r1-policy@champion`, or None when there is no registry or no policy in it."""
-    from pathlib import Path
-
-    uri = settings.mlflow_tracking_uri
-    if uri.startswith("sqlite:///") and not Path(uri.removeprefix("sqlite:///")).exists():
-        return None  # no registry yet: do not create one by asking
+def _champion_policy(settings: object, method: str):  # -> ChatModel | None
+    """The policy evaluation would run `method` with (the GRPO champion, else the SFT champion), or None for the
+    base LLM; says which on stderr."""
     try:
-        from medgraph.rl.policy import load_champion_policy
+        from medgraph.rl.policy import choose_policy, load_chosen_policy
     except ImportError:
         return None
-    policy = load_champion_policy(tracking_uri=uri, home=settings.home)
-    if policy is not None:
-        print(f"policy: {policy.name} (medgraph-graph-r1-policy@champion)", file=sys.stderr)
-    return policy
+    choice = choose_policy(method, tracking_uri=settings.mlflow_tracking_uri, home=settings.home)
+    if choice.source is None:  # e.g. graph-r1-sft-only without a registered SFT policy: never run the base LLM instead
+        print(f"medgraph ask: {method} {choice.description}", file=sys.stderr)
+        raise SystemExit(2)
+    print(f"policy: {choice.description}", file=sys.stderr)
+    return load_chosen_policy(choice, tracking_uri=settings.mlflow_tracking_uri, home=settings.home)
 
 
 def _cmd_models(args: argparse.Namespace) -> int:

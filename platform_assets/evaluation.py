@@ -29,7 +29,7 @@ from medgraph.methods.registry import make_config, run_method
 from medgraph.methods.tools import KnowledgeTools
 from medgraph.retrieval import Retriever
 from medgraph.settings import load_settings
-from medgraph.tracking import metric_name
+from medgraph.tracking import MODEL_NAMES, metric_name
 from medgraph.umls.schema import MRCONSO
 from resources import EncoderResource, LlmResource, MlflowResource, WarehouseResource
 
@@ -179,14 +179,16 @@ GAT = dg.AssetKey(["models", "gat_model"])
 PROJECTOR = dg.AssetKey(["models", "hiim_projector"])
 GSRM_PARAMS = dg.AssetKey(["models", "gsrm_params"])
 POLICY = dg.AssetKey(["models", "graph_r1_policy"])
+SFT = dg.AssetKey(["models", "graph_r1_sft"])
 
 eval_assets = [
     _eval_asset("eval_baselines", ("cot", "rag", "irag"), (),
                 "Baselines: chain of thought, single-round hybrid RAG (MedRAG style), follow-up RAG (i-MedRAG style)."),
     _eval_asset("eval_a2rag", ("a2rag",), (GAT, PROJECTOR, GSRM_PARAMS),
                 "A2RAG (AWC + GSRM + HIIM with the champion projector, text-only fallback recorded)."),
-    _eval_asset("eval_graph_r1", ("graph-r1",), (POLICY,),
-                "The Graph-R1 agent driven by the champion policy (the base LLM when none is registered)."),
+    _eval_asset("eval_graph_r1", ("graph-r1",), (SFT, POLICY),
+                "The Graph-R1 agent driven by the GRPO champion, else the SFT champion, else the base LLM (said in "
+                "its lineage); ablations graph-r1-no-sft (base LLM) and graph-r1-sft-only."),
     _eval_asset("eval_sema_rag", ("sema-rag",), (),
                 "SEMA-RAG (I-Agent schema, E-Agent sufficiency loop, A-Agent evidence report)."),
 ]
@@ -308,7 +310,7 @@ def evaluation_report(context: dg.AssetExecutionContext, config: ReportConfig, w
     tracking = mlflow_tracking.tracking()
     lineage = {"release fingerprint": _ingested_release_fingerprint(context.instance),
                "encoder": encoder.spec, "LLM": llm.spec, "benchmark": SETTINGS.benchmark}
-    for name in ("medgraph-gat", "medgraph-hiim-projector", "medgraph-graph-r1-policy"):
+    for name in MODEL_NAMES.values():
         lineage[f"{name}@champion"] = f"v{tracking.champion_version(name)}" if tracking.champion_version(name) \
             else "none registered"
     for key, field in (("graph-r1 policy", "graph_r1_policy"), ("GSRM tau", "gsrm_tau"),

@@ -47,3 +47,17 @@ def test_models_list_and_show_read_the_registry(medgraph_home: Path, mlflow_db: 
     out = capsys.readouterr().out
     assert "medgraph-gat v1" in out and "valid_roc_auc = 0.9" in out and "data_version/kg/kg_edges = abc123" in out
     assert main(["models", "show", "medgraph-gat/7"]) == 1
+
+
+def test_ask_picks_the_graph_r1_policy_as_evaluation_does(mlflow_db: Path, tmp_path: Path,
+                                                         capsys: pytest.CaptureFixture):
+    from types import SimpleNamespace
+
+    from medgraph.cli import _champion_policy
+
+    settings = SimpleNamespace(mlflow_tracking_uri=f"sqlite:///{mlflow_db}", home=tmp_path)
+    assert _champion_policy(settings, "graph-r1") is None  # nothing registered: the base LLM plays the policy
+    assert "policy: base LLM" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exited:  # an SFT-only run without an SFT policy never runs the base LLM
+        _champion_policy(settings, "graph-r1-sft-only")
+    assert exited.value.code == 2 and "medgraph-graph-r1-sft@champion" in capsys.readouterr().err
