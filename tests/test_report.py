@@ -50,6 +50,7 @@ def test_report_shows_evidence_recall_paired_differences_gsrm_recall_and_seed_cl
     comparisons = paired_comparisons(results)
     gsrm = [{"dataset": "kgqa_short", "hops": 2, "iteration": k, "cutoff": 10, "recall": r, "recall_se": 0.03,
              "n": 120, "tau": 0.4, "top_n": 50} for k, r in ((0, 0.31), (1, 0.52), (2, 0.55))]
+    gsrm += [{**row, "hops": None, "n": 300} for row in gsrm]  # eval.gsrm_recall's rows over all hops
     claims = seed_claims(summaries, results, comparisons, [])
     paths = build_report(ReportData(summaries, {"LLM": "x"}, {}, comparisons, gsrm, claims), tmp_path)
     markdown = paths["markdown"].read_text(encoding="utf-8")
@@ -59,6 +60,7 @@ def test_report_shows_evidence_recall_paired_differences_gsrm_recall_and_seed_cl
     assert "| a2rag | rag | kgqa_mc | evidence_pair_recall | 200 | 1.000 | 0.335 | 0.665 |" in evidence
     assert evidence.endswith("| method better |")
     assert "| kgqa_short | 2 | 2 | 10 | 0.550 | 0.030 | 120 | 0.400 | 50 |" in markdown
+    assert "| kgqa_short | 1+2 | 2 | 10 | 0.550 | 0.030 | 300 | 0.400 | 50 |" in markdown
     claims_table = markdown.split("## Seed claims vs this platform")[1]
     assert "A2RAG latency per question is 2-4x single-round RAG | 2-4x | 3.00x" in claims_table
     assert "not measured: materialize eval/gsrm_recall" in claims_table

@@ -212,13 +212,14 @@ def gsrm_recall_plot(rows: Sequence[Mapping[str, object]]) -> str | None:
         return None
     plt = _plt()
     fig, axis = plt.subplots(figsize=(6, 3.6))
-    groups = sorted({(str(r["dataset"]), int(r["hops"])) for r in rows})
+    groups = sorted({(str(r["dataset"]), _hops(r)) for r in rows})
     for dataset, hops in groups:
-        points = sorted((int(r["iteration"]), float(r["recall"]), float(r["recall_se"] or 0.0)) for r in rows
-                        if (r["dataset"], int(r["hops"])) == (dataset, hops))
-        n = max(int(r["n"]) for r in rows if (r["dataset"], int(r["hops"])) == (dataset, hops))
+        group = [r for r in rows if (r["dataset"], _hops(r)) == (dataset, hops)]
+        points = sorted((int(r["iteration"]), float(r["recall"]), _number(r.get("recall_se"))) for r in group)
+        n = max(int(r["n"]) for r in group)
+        label = "1- and 2-hop" if hops == 0 else f"{hops}-hop"
         axis.errorbar([p[0] for p in points], [p[1] for p in points], yerr=[p[2] for p in points], marker="o",
-                      capsize=3, label=f"{dataset}, {hops}-hop (n={n})")
+                      capsize=3, label=f"{dataset}, {label} (n={n})")
     axis.set_xlabel("refinement iteration k")
     axis.set_ylabel("Recall@10 (± 1 s.e.)")
     axis.set_ylim(0, 1.05)
@@ -226,6 +227,11 @@ def gsrm_recall_plot(rows: Sequence[Mapping[str, object]]) -> str | None:
     axis.legend(fontsize=8)
     axis.set_title("GSRM: Recall@10 of the ranked triple list (test split, no LLM)")
     return _figure_png(fig)
+
+
+def _hops(row: Mapping[str, object]) -> int:
+    """A GSRM recall row's hop count; 0 for the rows over 1- and 2-hop items together (hops NULL)."""
+    return 0 if row.get("hops") is None else int(row["hops"])
 
 
 def _number(value: object) -> float:
@@ -347,9 +353,10 @@ def build_report(data: ReportData, out_dir: Path) -> dict[str, Path]:
 
     if data.gsrm_recall:
         md, tab = _table(["dataset", "hops", "iteration k", "cutoff", "recall", "s.e.", "n", "tau", "N"],
-                         [(r["dataset"], r["hops"], r["iteration"], r["cutoff"], float(r["recall"]),
+                         [(r["dataset"], "1+2" if r["hops"] is None else r["hops"], r["iteration"], r["cutoff"],
+                           float(r["recall"]),
                            _number(r.get("recall_se")), r["n"], float(r["tau"]), r["top_n"])
-                          for r in sorted(data.gsrm_recall, key=lambda r: (r["dataset"], r["hops"], r["cutoff"],
+                          for r in sorted(data.gsrm_recall, key=lambda r: (r["dataset"], _hops(r), r["cutoff"],
                                                                            r["iteration"]))])
         sections.append(("GSRM Recall@10 / @N per refinement iteration (test split, no LLM)", md, tab,
                          gsrm_recall_plot(data.gsrm_recall)))
