@@ -241,5 +241,20 @@ def write_run(warehouse: Warehouse, asset: str, dataset: str, results: Sequence[
     }
 
 
+def read_eval_views(warehouse: Warehouse, suffix: str) -> list[dict[str, object]]:
+    """Every row of every `eval.*<suffix>` view (e.g. `_results`), each with the asset it came from."""
+    with warehouse.connect(read_only=True) as con:
+        views = [row[0] for row in con.execute(
+            "SELECT table_name FROM information_schema.tables WHERE table_schema = 'eval' "
+            "AND table_name LIKE ? ORDER BY 1", [f"%{suffix}"]).fetchall()]
+        rows = []
+        for view in views:
+            cursor = con.execute(f"SELECT * FROM eval.{view}")
+            columns = [c[0] for c in cursor.description]
+            rows += [{**dict(zip(columns, values, strict=True)), "asset": view.removesuffix(suffix)}
+                     for values in cursor.fetchall()]
+    return rows
+
+
 def _safe(name: str) -> str:
     return "".join(c if c.isalnum() or c in "-_." else "_" for c in name)

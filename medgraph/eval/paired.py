@@ -51,17 +51,9 @@ class Comparison:
 
 def read_results(warehouse: Warehouse) -> list[dict[str, object]]:
     """Every row of every `eval.*_results` view, with the asset it came from."""
-    with warehouse.connect(read_only=True) as con:
-        views = [row[0] for row in con.execute(
-            "SELECT table_name FROM information_schema.tables WHERE table_schema = 'eval' "
-            f"AND table_name LIKE '%{RESULTS_SUFFIX}' ORDER BY 1").fetchall()]
-        rows = []
-        for view in views:
-            cursor = con.execute(f"SELECT * FROM eval.{view}")
-            columns = [c[0] for c in cursor.description]
-            rows += [{**dict(zip(columns, values, strict=True)), "asset": view.removesuffix(RESULTS_SUFFIX)}
-                     for values in cursor.fetchall()]
-    return rows
+    from medgraph.eval.evaluate import read_eval_views
+
+    return read_eval_views(warehouse, RESULTS_SUFFIX)
 
 
 def _value(row: Mapping[str, object], metric: str) -> float | None:

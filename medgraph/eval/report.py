@@ -53,19 +53,11 @@ def read_table(warehouse: Warehouse, table: str) -> list[dict[str, object]]:
 
 
 def read_summaries(warehouse: Warehouse) -> list[dict[str, object]]:
-    with warehouse.connect(read_only=True) as con:
-        views = [row[0] for row in con.execute(
-            "SELECT table_name FROM information_schema.tables WHERE table_schema = 'eval' "
-            f"AND table_name LIKE '%{SUMMARY_SUFFIX}' ORDER BY 1").fetchall()]
-        rows = []
-        for view in views:
-            cursor = con.execute(f"SELECT * FROM eval.{view}")
-            columns = [c[0] for c in cursor.description]
-            for values in cursor.fetchall():
-                row = dict(zip(columns, values, strict=True))
-                row["asset"] = view.removesuffix(SUMMARY_SUFFIX)
-                row["extra"] = json.loads(row.get("extra") or "{}")
-                rows.append(row)
+    from medgraph.eval.evaluate import read_eval_views
+
+    rows = read_eval_views(warehouse, SUMMARY_SUFFIX)
+    for row in rows:
+        row["extra"] = json.loads(row.get("extra") or "{}")
     return rows
 
 
