@@ -16,6 +16,8 @@ class LlmResource(dg.ConfigurableResource):
     home: str
     device: str = "auto"
     dtype: str | None = None
+    """float32 | bfloat16 | float16 | auto (bf16 where the CPU has native bf16) | int8 (CPU, dynamic
+    quantization); default bf16 on CUDA, float32 on the CPU (benchmarks/llm_dtype.py)."""
     max_batch_size: int = 16
     _llm: ChatModel | None = PrivateAttr(default=None)
 

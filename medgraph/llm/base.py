@@ -70,6 +70,13 @@ class Completion:
     finish_reason: Literal["stop", "length", "error"] = "stop"
     model: str = ""
     extra: dict[str, object] = field(default_factory=dict)
+    # Prompt tokens the model actually ran: fewer than `prompt_tokens` (the tokens sent) when a prefix
+    # cache served the start of the prompt. None (backends that do not know): `prompt_tokens`.
+    prompt_tokens_computed: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.prompt_tokens_computed is None:
+            object.__setattr__(self, "prompt_tokens_computed", self.prompt_tokens)
 
 
 class ChatModel(abc.ABC):

@@ -17,6 +17,14 @@ generated in two phases, because on a CPU they have opposite costs:
   no remaining row needs are dropped with it. Position ids follow each row's
   real length, so a row computes what it would alone (up to float rounding).
 
+Agent turns extend their conversations, so a `PrefixCache` (on unless
+`prefix_cache=False`) keeps the keys/values of recent prompts and replies: a
+row's prefill starts from the longest cached prefix of its token ids (graph
+tokens included, keyed by their content) and computes only the new tokens;
+`Completion.prompt_tokens_computed` counts them. The reused keys/values are
+the ones a full prefill would compute (in float32 the greedy replies are
+token-identical; tests/test_prefix_cache.py).
+
 Graph tokens (A2RAG's HIIM) enter as soft tokens: the rendered prompt is split
 at a marker placed at the end of the last user message, and the row's
 embeddings are [embed(text before); graph tokens; embed(text after)], passed
@@ -26,7 +34,10 @@ rows for training the projector with the LLM frozen.
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import time
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,15 +59,52 @@ def resolve_device(device: str = "auto") -> str:
     return device
 
 
-def resolve_dtype(dtype: str | torch.dtype | None, device: str) -> torch.dtype:
-    """bfloat16 on CUDA and float32 elsewhere unless told (bf16 matmuls are slow on most CPUs)."""
+@functools.cache
+def cpu_has_bf16() -> bool:
+    """Native bf16 matmuls (AVX512-BF16 or AMX); elsewhere bf16 on the CPU is emulated and slow."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text().split()
+    except OSError:  # not Linux: assume emulated
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def resolve_dtype(dtype: str | torch.dtype | None, device: str) -> torch.dtype | str:
+    """The weights' dtype. None (the default): bfloat16 on CUDA, float32 on the CPU. `auto`: bfloat16 on
+    CUDA and on CPUs with native bf16 (AVX512-BF16/AMX), else float32.
+
+    The CPU default stays float32 because bf16 rounding makes greedy replies depend on the batch
+    (a question batched with others can get a different reply than alone) and on prefix caching;
+    benchmarks/llm_dtype.py measures the speed-up and answer agreement of each choice side by side.
+    `int8` (CPU only) is returned as the string: float32 weights whose Linear layers are then
+    quantized dynamically (see `quantize_int8`).
+    """
     if dtype is None:
         return torch.bfloat16 if device.startswith("cuda") else torch.float32
+    if dtype == "auto":
+        native = device.startswith("cuda") or (device == "cpu" and cpu_has_bf16())
+        return torch.bfloat16 if native else torch.float32
     if isinstance(dtype, torch.dtype):
         return dtype
+    if dtype == "int8":
+        if device != "cpu":
+            raise ValueError("dtype int8 (dynamic quantization) runs on the CPU only; use bfloat16 on a GPU")
+        return "int8"
     if dtype not in DTYPES:
-        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+        raise ValueError(f"dtype must be auto, int8 or one of {', '.join(DTYPES)}, got {dtype!r}")
     return DTYPES[dtype]
+
+
+def quantize_int8(model: torch.nn.Module) -> torch.nn.Module:
+    """int8 dynamic quantization of every Linear layer (weights int8, activations quantized per call)."""
+    import warnings
+
+    with warnings.catch_warnings():  # torch.ao.quantization announces its move to torchao; it still works
+        warnings.simplefilter("ignore", DeprecationWarning)
+        warnings.simplefilter("ignore", FutureWarning)
+        from torch.ao.quantization import quantize_dynamic
+
+        return quantize_dynamic(model, {torch.nn.Linear}, dtype=torch.qint8)
 
 
 def left_padded_position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -81,6 +129,121 @@ class _Row:
         return len(self.before) + graph + len(self.after or ())
 
 
+# Graph tokens have no token ids: in cache keys they are negative ids, one per (graph-token tensor
+# content, position in it), so a cached prefix matches across graph tokens only when they are the same.
+_GRAPH_ID_STRIDE = 1 << 20
+
+
+@dataclass
+class _CachedPrefix:
+    """The keys/values of one token sequence (a prompt and the reply generated after it)."""
+
+    key: torch.Tensor  # (T,) int64 on the CPU: token ids, graph tokens as negative ids
+    layers: list[tuple[torch.Tensor, torch.Tensor]]  # per layer (keys, values), each (1, heads, T, head_dim)
+    nbytes: int
+
+
+class PrefixCache:
+    """Past keys/values of recent conversations, so that a turn prefills only what is new in its prompt.
+
+    Entries are token sequences (a prompt and the reply generated after it) with their keys/values.
+    A new prompt reuses the longest common prefix with any entry, compared token id by token id (a
+    chat template may re-tokenize an earlier reply differently; only the matching part is reused,
+    and the keys/values of position i depend on tokens 0..i only). Different conversations share
+    prefixes too (a system prompt, a demonstration). Memory is bounded: least recently used
+    entries go first once `max_bytes` is exceeded, and an entry that is a prefix of a newer one,
+    or that a newer one continues (all but a short tail), is dropped as redundant.
+    """
+
+    # An entry that served a prompt and differs from it only in this many last tokens (a reply
+    # re-tokenized at its stop string) is superseded by that prompt's own entry.
+    SUPERSEDED_TAIL = 16
+
+    def __init__(self, max_bytes: int):
+        self.max_bytes = max_bytes
+        self.entries: OrderedDict[int, _CachedPrefix] = OrderedDict()  # oldest use first
+        self.nbytes = 0
+        self.evicted = 0
+        self._next_id = 0
+        self._graph_ids: dict[bytes, int] = {}
+        self._weights: tuple[int, int] | None = None
+
+    def clear(self) -> None:
+        self.entries.clear()
+        self._graph_ids.clear()
+        self.nbytes = 0
+
+    def check_weights(self, model: torch.nn.Module) -> None:
+        """Forget everything once the weights changed (a trainer's optimizer step, an adapter swapped in)."""
+        # In-place updates bump a tensor's version counter, so this sees optimizer steps without reading weights.
+        fingerprint = (id(model), sum(p._version for p in model.parameters()))
+        if fingerprint != self._weights:
+            self.clear()
+            self._weights = fingerprint
+
+    def key(self, row: _Row) -> torch.Tensor:
+        """The row's token ids, its graph tokens (if any) as ids standing for their content and position."""
+        ids = list(row.before)
+        if row.graph is not None:
+            content = row.graph.detach().to("cpu", torch.float32).contiguous()
+            digest = hashlib.blake2b(content.numpy().tobytes(), digest_size=16).digest()
+            base = self._graph_ids.setdefault(digest, len(self._graph_ids) + 1) * _GRAPH_ID_STRIDE
+            ids += [-(base + j) for j in range(row.graph.shape[0])]
+            ids += row.after or []
+        return torch.tensor(ids, dtype=torch.long)
+
+    @staticmethod
+    def _common_prefix(a: torch.Tensor, b: torch.Tensor) -> int:
+        n = min(len(a), len(b))
+        differs = (a[:n] != b[:n]).nonzero()
+        return int(differs[0, 0]) if len(differs) else n
+
+    def longest_prefix(self, key: torch.Tensor, limit: int) -> tuple[int | None, int]:
+        """The entry sharing the longest prefix (at most `limit` tokens) with `key`, and that length."""
+        best, best_length = None, 0
+        for entry_id, entry in self.entries.items():
+            length = min(self._common_prefix(key, entry.key), limit)
+            if length > best_length:
+                best, best_length = entry_id, length
+        if best is not None:
+            self.entries.move_to_end(best)
+        return best, best_length
+
+    def prefix(self, entry_id: int, length: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return [(k[:, :, :length], v[:, :, :length]) for k, v in self.entries[entry_id].layers]
+
+    def add(self, key: torch.Tensor, layers: list[tuple[torch.Tensor, torch.Tensor]],
+            served_by: tuple[int | None, int] = (None, 0)) -> None:
+        """Keep `layers` (cloned) for `key`; `served_by`: the entry and length the prompt's prefill reused."""
+        for entry_id, entry in list(self.entries.items()):
+            shared = self._common_prefix(key, entry.key)
+            superseded = entry_id == served_by[0] and len(entry.key) - served_by[1] <= self.SUPERSEDED_TAIL
+            if shared == len(entry.key) or superseded:
+                self._drop(entry_id)
+        layers = [(k.clone(), v.clone()) for k, v in layers]  # not views: they would keep a whole batch alive
+        nbytes = sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in layers)
+        if nbytes > self.max_bytes:
+            return
+        self.entries[self._next_id] = _CachedPrefix(key, layers, nbytes)
+        self._next_id += 1
+        self.nbytes += nbytes
+        while self.nbytes > self.max_bytes:
+            self._drop(next(iter(self.entries)))
+            self.evicted += 1
+
+    def _drop(self, entry_id: int) -> None:
+        self.nbytes -= self.entries.pop(entry_id).nbytes
+
+
+@dataclass(frozen=True)
+class _Reuse:
+    """What a row's prefill takes from the prefix cache: its cache key, the entry and how many tokens of it."""
+
+    key: torch.Tensor | None = None
+    entry: int | None = None
+    length: int = 0
+
+
 class TransformersChatModel(ChatModel):
     """A local Hugging Face causal LM (a checkpoint directory) with a chat template.
 
@@ -92,7 +255,8 @@ class TransformersChatModel(ChatModel):
     supports_graph_tokens = True
 
     def __init__(self, model_dir: str | Path, *, name: str | None = None, device: str = "auto",
-                 dtype: str | torch.dtype | None = None, max_batch_size: int = 16):
+                 dtype: str | torch.dtype | None = None, max_batch_size: int = 16, prefix_cache: bool = True,
+                 prefix_cache_mb: int = 1024):
         model_dir = Path(model_dir).expanduser().resolve()
         if not (model_dir / "config.json").is_file():
             raise FileNotFoundError(f"{model_dir} is not a Hugging Face model directory (no config.json in it)")
@@ -107,11 +271,17 @@ class TransformersChatModel(ChatModel):
         if not getattr(self.tokenizer, "chat_template", None):
             raise ValueError(f"{model_dir}: the tokenizer has no chat template; an instruction-tuned model is needed")
         # Parameters keep their requires_grad: a trainer decides what is frozen (`model.requires_grad_(False)`).
-        self.model = AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True, dtype=self.dtype)
+        weights = torch.float32 if self.dtype == "int8" else self.dtype
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True, dtype=weights)
         self.model.to(self.device).eval()
+        if self.dtype == "int8":
+            self.model = quantize_int8(self.model)
         self.hidden_size = self.model.get_input_embeddings().embedding_dim
         self.eos_ids = self._eos_ids()
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.eos_ids[0]
+        # Reusing keys/values needs caches that keep every position (not a sliding window's last few).
+        plain = all(type(layer).__name__ == "DynamicLayer" for layer in DynamicCache(config=self.model.config).layers)
+        self.prefix_cache = PrefixCache(prefix_cache_mb << 20) if prefix_cache and plain else None
 
     def __repr__(self) -> str:
         return f"TransformersChatModel({self.name!r}, device={self.device!r}, dtype={self.dtype})"
@@ -198,48 +368,80 @@ class TransformersChatModel(ChatModel):
         config = config or GenerationConfig()
         started = time.perf_counter()
         rows = self._rows(conversations, graph_tokens)
+        if self.prefix_cache is not None:
+            self.prefix_cache.check_weights(self.model)
         order = sorted(range(len(rows)), key=lambda i: len(rows[i]))  # similar lengths: little padding
-        results: dict[int, tuple[str, int, int, str]] = {}
+        results: dict[int, tuple[str, int, int, str, int]] = {}
         for start in range(0, len(order), self.max_batch_size):
             batch = order[start:start + self.max_batch_size]
             for i, result in zip(batch, self._generate_rows([rows[i] for i in batch], config), strict=True):
                 results[i] = result
         latency = time.perf_counter() - started
         return [Completion(text=text, prompt_tokens=prompt, completion_tokens=generated, latency_s=latency,
-                           finish_reason=finish, model=self.name)
-                for text, prompt, generated, finish in (results[i] for i in range(len(rows)))]
+                           finish_reason=finish, model=self.name, prompt_tokens_computed=computed)
+                for text, prompt, generated, finish, computed in (results[i] for i in range(len(rows)))]
+
+    def clear_prefix_cache(self) -> None:
+        """Forget the cached keys/values (they are also dropped by themselves when the weights change)."""
+        if self.prefix_cache is not None:
+            self.prefix_cache.clear()
 
     @torch.inference_mode()
-    def _generate_rows(self, rows: list[_Row], config: GenerationConfig) -> list[tuple[str, int, int, str]]:
+    def _generate_rows(self, rows: list[_Row], config: GenerationConfig) -> list[tuple[str, int, int, str, int]]:
         devices = [torch.device(self.device).index or 0] if self.device.startswith("cuda") else []
         with torch.random.fork_rng(devices=devices):
             if config.temperature > 0 and config.seed is not None:
                 torch.manual_seed(config.seed)
-            cache, mask, logits = self._prefill(rows)
-            new_tokens = self._decode(rows, cache, mask, logits, config)
-        return [self._finish(row, tokens, config) for row, tokens in zip(rows, new_tokens, strict=True)]
+            reuse = self._cached_prefixes(rows)
+            cache, mask, logits = self._prefill(rows, reuse)
+            new_tokens = self._decode(rows, cache, mask, logits, config, reuse)
+        return [(*self._finish(row, tokens, config), len(row) - used.length)
+                for row, tokens, used in zip(rows, new_tokens, reuse, strict=True)]
 
-    def _prefill_groups(self, rows: list[_Row]) -> list[list[int]]:
-        """Which rows prefill together: equal lengths (GRPO's G copies of a prompt), all at once on a GPU."""
-        if self.device.startswith("cuda"):
-            return [list(range(len(rows)))]
-        groups: dict[int, list[int]] = {}
-        for i, row in enumerate(rows):
-            groups.setdefault(len(row), []).append(i)
+    def _cached_prefixes(self, rows: list[_Row]) -> list[_Reuse]:
+        """Each row's longest cached prefix; at least its last token is left to compute (for its logits)."""
+        if self.prefix_cache is None:
+            return [_Reuse() for _ in rows]
+        reuse = []
+        for row in rows:
+            key = self.prefix_cache.key(row)
+            entry, length = self.prefix_cache.longest_prefix(key, len(row) - 1)
+            reuse.append(_Reuse(key, entry, length))
+        return reuse
+
+    def _prefill_groups(self, rows: list[_Row], reuse: list[_Reuse]) -> list[list[int]]:
+        """Which rows prefill together: equal lengths (GRPO's G copies of a prompt), all at once on a GPU.
+
+        Rows that continue a cached prefix go together only with rows of the same prefix length and
+        length, so that no row is padded on either side of its cached keys.
+        """
+        cuda = self.device.startswith("cuda")
+        groups: dict[tuple[int, int], list[int]] = {}
+        for i, (row, used) in enumerate(zip(rows, reuse, strict=True)):
+            groups.setdefault((0, 0) if cuda and not used.length else (used.length, len(row)), []).append(i)
         return list(groups.values())
 
-    def _prefill(self, rows: list[_Row]) -> tuple[DynamicCache, torch.Tensor, torch.Tensor]:
-        """Run the prompts; the joined left-padded KV cache, its attention mask and each row's next-token logits."""
+    def _prefill(self, rows: list[_Row], reuse: list[_Reuse]) -> tuple[DynamicCache, torch.Tensor, torch.Tensor]:
+        """Run the prompts (past their cached prefixes); the joined left-padded KV cache, its attention mask
+        and each row's next-token logits."""
         width = max(len(r) for r in rows)
         per_row: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in rows]  # row -> layer -> (keys, values)
         logits: list[torch.Tensor | None] = [None] * len(rows)
-        for group in self._prefill_groups(rows):
+        for group in self._prefill_groups(rows, reuse):
             inputs_embeds, mask = self._embed_rows([rows[i] for i in group])
+            cached = reuse[group[0]].length
+            if cached:  # the group's rows have equal lengths: no padding; only the new tokens are computed
+                past = [self.prefix_cache.prefix(reuse[i].entry, cached) for i in group]
+                cache = DynamicCache([(torch.cat([p[layer][0] for p in past]), torch.cat([p[layer][1] for p in past]))
+                                      for layer in range(len(past[0]))], config=self.model.config)
+                inputs_embeds, mask = inputs_embeds[:, cached:], mask[:, cached:]
+                position_ids = torch.arange(cached, cached + mask.shape[1], device=self.device).expand(len(group), -1)
+            else:
+                cache = DynamicCache(config=self.model.config)
+                position_ids = left_padded_position_ids(mask)
             padded = bool((mask == 0).any())
-            cache = DynamicCache(config=self.model.config)
             out = self.model(inputs_embeds=inputs_embeds, attention_mask=mask if padded else None,
-                             position_ids=left_padded_position_ids(mask), cache=cache, use_cache=True,
-                             logits_to_keep=1)
+                             position_ids=position_ids, cache=cache, use_cache=True, logits_to_keep=1)
             for slot, i in enumerate(group):
                 per_row[i] = [(layer.keys[slot:slot + 1], layer.values[slot:slot + 1]) for layer in cache.layers]
                 logits[i] = out.logits[slot, -1].float()
@@ -254,8 +456,9 @@ class TransformersChatModel(ChatModel):
         return joined, mask, torch.stack(logits)
 
     def _decode(self, rows: list[_Row], cache: DynamicCache, mask: torch.Tensor, logits: torch.Tensor,
-                config: GenerationConfig) -> list[list[int]]:
-        """Batched decode steps until every row has ended; finished rows leave the batch."""
+                config: GenerationConfig, reuse: list[_Reuse]) -> list[list[int]]:
+        """Batched decode steps until every row has ended; finished rows leave the batch (and leave their
+        keys/values, prompt and reply, to the prefix cache)."""
         stop = [s for s in config.stop if s]
         window = max((len(s) for s in stop), default=0) + 4  # a stop string spans at most this many new tokens
         eos = set(self.eos_ids)
@@ -272,6 +475,8 @@ class TransformersChatModel(ChatModel):
                                           for s in stop)))
                 if not ended:
                     keep.append(slot)
+                elif self.prefix_cache is not None:
+                    self._remember(rows[row], reuse[row], tokens[row], cache, slot)
             if not keep:
                 return tokens
             if len(keep) < len(active):
@@ -287,6 +492,15 @@ class TransformersChatModel(ChatModel):
                              cache=cache, use_cache=True)
             positions = positions + 1
             logits = out.logits[:, -1].float()
+
+    def _remember(self, row: _Row, used: _Reuse, tokens: list[int], cache: DynamicCache, slot: int) -> None:
+        """Keep a finished row's keys/values: its prompt and every reply token that went through the model."""
+        fed = tokens[:-1]  # the last token chosen was never fed back
+        length = len(row) + len(fed)  # its real columns, the last ones of the left-padded cache
+        layers = [(layer.keys[slot:slot + 1, :, -length:], layer.values[slot:slot + 1, :, -length:])
+                  for layer in cache.layers]
+        key = torch.cat([used.key, torch.tensor(fed, dtype=torch.long)])
+        self.prefix_cache.add(key, layers, served_by=(used.entry, used.length))
 
     @staticmethod
     def _next_tokens(logits: torch.Tensor, config: GenerationConfig) -> torch.Tensor:
@@ -314,6 +528,7 @@ class TransformersChatModel(ChatModel):
 
     def close(self) -> None:
         """Drop the weights (and free GPU memory) once the model is no longer needed."""
+        self.clear_prefix_cache()
         self.model = None
         if torch.cuda.is_available():
             torch.cuda.empty_cache()

@@ -20,7 +20,6 @@ checkpoint intact.
 from __future__ import annotations
 
 import contextlib
-import functools
 import json
 import os
 import shutil
@@ -31,7 +30,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from medgraph.llm.hf import TransformersChatModel
+from medgraph.llm.hf import TransformersChatModel, cpu_has_bf16
 from medgraph.rl.rollout import EncodedConversation
 
 POLICY_DIR = "policy"
@@ -196,16 +195,6 @@ def token_logprobs(model: nn.Module, batch: TokenBatch) -> torch.Tensor:
     logits = model(input_ids=batch.ids, attention_mask=batch.attention, logits_to_keep=batch.keep,
                    use_cache=False).logits.float()
     return logits.gather(-1, batch.targets.unsqueeze(-1)).squeeze(-1) - logits.logsumexp(-1)
-
-
-@functools.cache
-def cpu_has_bf16() -> bool:
-    """Native bf16 matmuls (AVX512-BF16 or AMX); elsewhere bf16 on the CPU is emulated and slow."""
-    try:
-        flags = Path("/proc/cpuinfo").read_text().split()
-    except OSError:  # not Linux: assume emulated
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
 def autocast(device: str, bf16: bool = True, generation: bool = False) -> contextlib.AbstractContextManager:
