@@ -53,7 +53,7 @@ test: install
 EVALUATIONS := group:evaluation and not key:"eval/evaluation_report" and not key:"eval/gsrm_recall"
 DEMO_DATASETS ?= kgqa_mc
 demo: install $(DAGSTER_HOME)/dagster.yaml
-	$(BIN)/dagster asset materialize -m definitions --select 'not group:evaluation' -c deploy/local/demo_run_config.yaml
+	$(BIN)/dagster asset materialize -m definitions --select 'not group:evaluation and not group:text_extraction' -c deploy/local/demo_run_config.yaml
 	for dataset in $(DEMO_DATASETS); do \
 	  $(BIN)/dagster asset materialize -m definitions --select '$(EVALUATIONS)' --partition $$dataset \
 	    -c deploy/local/demo_eval_config.yaml || exit 1; \

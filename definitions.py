@@ -5,7 +5,7 @@ import dagster as dg
 
 import jobs
 import sensors
-from platform_assets import embeddings, evaluation, gsrm, kg, models, policy, qa, text, umls
+from platform_assets import embeddings, evaluation, gsrm, kg, models, policy, qa, text, text_extraction, umls
 from resources import build_resources
 
 defs = dg.Definitions.merge(
@@ -13,6 +13,7 @@ defs = dg.Definitions.merge(
     kg.defs,
     qa.defs,
     text.defs,
+    text_extraction.defs,
     embeddings.defs,
     models.defs,
     gsrm.defs,

@@ -47,7 +47,7 @@ def main() -> None:
 
     warehouse = Warehouse(args.work_dir / "warehouse.duckdb", Lake(args.work_dir / "lake"))
     started = time.perf_counter()
-    stats = build_corpus_chunks(warehouse, [corpus], include_kg=False)
+    stats = build_corpus_chunks(warehouse, [corpus], sources=())
     encoder = load_encoder("minilm")
     embed_source(warehouse, "chunk_embeddings", encoder, progress=True)
     print(f"{stats.documents} abstracts, {stats.chunks} chunks indexed in {time.perf_counter() - started:.1f}s")

@@ -7,7 +7,7 @@ one call. Text search fuses BM25 and dense rankings by reciprocal rank fusion
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -16,9 +16,12 @@ from medgraph.embed.index import VectorIndex
 from medgraph.kg.graph import KnowledgeGraph, Node, Triple
 from medgraph.storage import Warehouse
 from medgraph.text.bm25 import bm25_search
+from medgraph.text.corpus import CONCEPT_SOURCES  # sources whose doc_id is a CUI
 
 SearchMode = Literal["bm25", "dense", "hybrid"]
 RRF_K = 60
+# Mentions at or above this score count as the chunk naming the concept (the evidence-recall threshold).
+MIN_MENTION_SCORE = 0.9
 
 
 @dataclass(frozen=True)
@@ -49,6 +52,7 @@ class Retriever:
         self.encoder = encoder
         self.graph = KnowledgeGraph(warehouse)
         self._indexes: dict[str, VectorIndex] = {}
+        self._tables: dict[str, bool] = {}
 
     def close(self) -> None:
         self.graph.close()
@@ -99,8 +103,8 @@ class Retriever:
     # -- concepts by name --------------------------------------------------------------------------
     def find_concepts(self, names: Sequence[str], k: int = 5,
                       mode: Literal["exact", "bm25", "dense", "hybrid"] = "hybrid") -> list[list[str]]:
-        """CUIs for each name: exact name/synonym match first; then BM25 over the KG's node texts
-        and/or dense node search, fused by RRF. `exact` alone returns only exact matches."""
+        """CUIs for each name: exact name/synonym match first; then BM25 over the corpus's concept
+        documents (definitions; node texts where opted in) and/or dense node search, fused by RRF. `exact` alone returns only exact matches."""
         exact = self.graph.lookup(names)
         if mode == "exact":
             return [found[:k] for found in exact]
@@ -108,7 +112,8 @@ class Retriever:
         if mode in ("bm25", "hybrid"):
             hits = bm25_search(self.graph.con, list(names), k=4 * k)
             docs = self._doc_ids({c for row in hits for c, _ in row})
-            rankings.append([[docs[c][0] for c, _ in row if docs.get(c, ("", ""))[1] == "kg"] for row in hits])
+            rankings.append([[docs[c][0] for c, _ in row if docs.get(c, ("", ""))[1] in CONCEPT_SOURCES]
+                             for row in hits])
         if mode in ("dense", "hybrid"):
             rankings.append([[cui for cui, _ in row] for row in self.search_nodes(names, k=4 * k)])
         found = []
@@ -152,3 +157,122 @@ class Retriever:
             {"c": sorted(chunk_ids)},
         ).fetchall()
         return {chunk: (doc, source) for chunk, doc, source in rows}
+
+    # -- the chunk-entity hypergraph (kg.kg_chunk_mentions, kg.kg_chunk_links) ------------------------
+    def has_table(self, schema: str, table: str) -> bool:
+        """Whether the warehouse holds `schema.table` (looked up once per retriever)."""
+        key = f"{schema}.{table}"
+        if key not in self._tables:
+            found = self.graph.con.execute(
+                "SELECT count(*) FROM information_schema.tables WHERE table_schema = $s AND table_name = $t",
+                {"s": schema, "t": table}).fetchone()
+            self._tables[key] = bool(found and found[0])
+        return self._tables[key]
+
+    def chunks_mentioning(self, cuis: Sequence[str], limit: int, related: Mapping[str, Collection[str]] | None = None,
+                          min_score: float = MIN_MENTION_SCORE) -> dict[str, list[str]]:
+        """Up to `limit` chunk ids mentioning each concept: chunks that also mention more of
+        `related[cui]` (e.g. its KG neighbours, so a chunk that states a relation comes first), then
+        chunks that name it earlier, then by id. {} without `kg.kg_chunk_mentions`."""
+        wanted = sorted(set(cuis))
+        if not wanted or limit <= 0 or not self.has_table("kg", "kg_chunk_mentions"):
+            return {}
+        pairs = sorted({(cui, other) for cui in wanted for other in (related or {}).get(cui, ()) if other != cui})
+        rows = self.graph.con.execute(
+            """
+            WITH hits AS (
+                SELECT cui, chunk_id, min(start_char) AS first FROM kg.kg_chunk_mentions
+                WHERE cui IN (SELECT unnest($cuis)) AND score >= $min_score GROUP BY cui, chunk_id
+            ),
+            related AS (SELECT unnest($src) AS cui, unnest($dst) AS other),
+            linked AS (
+                SELECT h.cui, h.chunk_id, count(DISTINCT m.cui) AS n
+                FROM hits AS h
+                JOIN kg.kg_chunk_mentions AS m ON m.chunk_id = h.chunk_id AND m.score >= $min_score
+                JOIN related AS r ON r.cui = h.cui AND r.other = m.cui
+                GROUP BY h.cui, h.chunk_id
+            ),
+            ranked AS (
+                SELECT h.cui, h.chunk_id, row_number() OVER (
+                    PARTITION BY h.cui ORDER BY coalesce(l.n, 0) DESC, h.first, h.chunk_id) AS rank
+                FROM hits AS h LEFT JOIN linked AS l USING (cui, chunk_id)
+            )
+            SELECT cui, chunk_id FROM ranked WHERE rank <= $limit ORDER BY cui, rank
+            """,
+            {"cuis": wanted, "min_score": min_score, "src": [a for a, _ in pairs], "dst": [b for _, b in pairs],
+             "limit": limit},
+        ).fetchall()
+        found: dict[str, list[str]] = {}
+        for cui, chunk_id in rows:
+            found.setdefault(cui, []).append(chunk_id)
+        return found
+
+    def chunk_concepts(self, chunk_ids: Sequence[str], min_score: float = MIN_MENTION_SCORE) -> dict[str, list[str]]:
+        """The KG concepts each chunk mentions, in order of first mention. {} without the mentions table."""
+        wanted = sorted(set(chunk_ids))
+        if not wanted or not self.has_table("kg", "kg_chunk_mentions"):
+            return {}
+        rows = self.graph.con.execute(
+            "SELECT chunk_id, cui FROM kg.kg_chunk_mentions WHERE chunk_id IN (SELECT unnest($ids)) "
+            "AND score >= $min_score GROUP BY chunk_id, cui ORDER BY chunk_id, min(start_char), cui",
+            {"ids": wanted, "min_score": min_score},
+        ).fetchall()
+        found: dict[str, list[str]] = {}
+        for chunk_id, cui in rows:
+            found.setdefault(chunk_id, []).append(cui)
+        return found
+
+    def linked_chunks(self, chunk_ids: Sequence[str], limit: int) -> dict[str, list[tuple[str, list[str]]]]:
+        """Up to `limit` chunks linked to each chunk in `kg.kg_chunk_links` (they share a concept that is
+        not a hub), strongest link first: (chunk id, the shared CUIs). {} without the links table."""
+        wanted = sorted(set(chunk_ids))
+        if not wanted or limit <= 0 or not self.has_table("kg", "kg_chunk_links"):
+            return {}
+        rows = self.graph.con.execute(
+            """
+            WITH both_ways AS (
+                SELECT chunk_a AS chunk_id, chunk_b AS other, shared_concepts, weight FROM kg.kg_chunk_links
+                WHERE chunk_a IN (SELECT unnest($ids))
+                UNION ALL
+                SELECT chunk_b, chunk_a, shared_concepts, weight FROM kg.kg_chunk_links
+                WHERE chunk_b IN (SELECT unnest($ids))
+            )
+            SELECT chunk_id, other, shared_concepts FROM (
+                SELECT *, row_number() OVER (PARTITION BY chunk_id ORDER BY weight DESC, other) AS rank FROM both_ways)
+            WHERE rank <= $limit ORDER BY chunk_id, rank
+            """,
+            {"ids": wanted, "limit": limit},
+        ).fetchall()
+        found: dict[str, list[tuple[str, list[str]]]] = {}
+        for chunk_id, other, shared in rows:
+            found.setdefault(chunk_id, []).append((other, list(shared or ())))
+        return found
+
+    def chunks_mentioning_all(self, concept_sets: Sequence[Collection[str]],
+                              min_score: float = MIN_MENTION_SCORE) -> list[dict[str, int]]:
+        """For each set of concepts, the chunks that mention every one of them, each with the character
+        offset by which all have been named (the largest first-mention end): a reader of the chunk's
+        first that many characters has seen them together. Text evidence for a gold pair."""
+        sets = [sorted(set(s)) for s in concept_sets]
+        found: list[dict[str, int]] = [{} for _ in sets]
+        if not any(sets) or not self.has_table("kg", "kg_chunk_mentions"):
+            return found
+        rows = self.graph.con.execute(
+            """
+            WITH wanted AS (
+                SELECT i, unnest(cuis) AS cui, len(cuis) AS size
+                FROM (SELECT unnest($sets) AS cuis, generate_subscripts($sets, 1) AS i)
+            ),
+            firsts AS (
+                SELECT w.i, w.size, m.chunk_id, m.cui, min(m.end_char) AS seen_by
+                FROM wanted AS w JOIN kg.kg_chunk_mentions AS m ON m.cui = w.cui AND m.score >= $min_score
+                GROUP BY w.i, w.size, m.chunk_id, m.cui
+            )
+            SELECT i, chunk_id, max(seen_by) FROM firsts GROUP BY i, size, chunk_id
+            HAVING count(*) = size ORDER BY i, chunk_id
+            """,
+            {"sets": sets, "min_score": min_score},
+        ).fetchall()
+        for i, chunk_id, seen_by in rows:
+            found[i - 1][chunk_id] = int(seen_by)
+        return found

@@ -3,10 +3,34 @@
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
 PROFILES = ("tiny", "demo", "full")
+
+# `scheme://user:password@host`: everything between `//` and the `@` before the host is a credential.
+_USERINFO = re.compile(r"(?P<scheme>\b[A-Za-z][A-Za-z0-9+.-]*://)(?P<user>[^\s/@:?#]*)(?P<secret>:[^\s/?#]*)?@")
+# Query parameters that carry secrets (presigned S3 URLs, token-in-URL servers, database URLs).
+_SECRET_PARAMETER = re.compile(
+    r"(?i)(?P<name>[?&;](?:password|passwd|pwd|secret|token|access_token|api[_-]?key|key|sig|signature"
+    r"|x-amz-signature|x-amz-credential|x-amz-security-token)=)[^&;#\s]*")
+REDACTED = "***"
+
+
+def redact_uri(text: str | None) -> str | None:
+    """`text` (a URI, or any message holding URIs) with credentials replaced by `***`, for printing,
+    logging and tagging: `http://admin:pw@host` -> `http://admin:***@host`, `https://TOKEN@host` ->
+    `https://***@host`, `?password=x` -> `?password=***`. Text without credentials comes back unchanged."""
+    if not text:
+        return text
+
+    def userinfo(match: re.Match) -> str:
+        if match["secret"] is not None:
+            return f"{match['scheme']}{match['user']}:{REDACTED}@"
+        return f"{match['scheme']}{REDACTED}@"  # a lone user part is often a token
+
+    return _SECRET_PARAMETER.sub(lambda m: m["name"] + REDACTED, _USERINFO.sub(userinfo, text))
 
 
 @dataclass(frozen=True)

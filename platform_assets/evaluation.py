@@ -13,7 +13,7 @@ from pathlib import Path
 import dagster as dg
 import mlflow
 
-from medgraph.eval.benchmarks import dataset_names, load_benchmark
+from medgraph.eval.benchmarks import load_benchmark, partition_names
 from medgraph.eval.evaluate import markdown_table, summarize, write_run
 from medgraph.eval.gsrm import read_gsrm_params, with_tuned_gsrm
 from medgraph.eval.monitoring import (
@@ -28,13 +28,14 @@ from medgraph.kg.qa import load_mirage, write_mirage
 from medgraph.methods.registry import make_config, run_method
 from medgraph.methods.tools import KnowledgeTools
 from medgraph.retrieval import Retriever
-from medgraph.settings import load_settings
+from medgraph.settings import load_settings, redact_uri
 from medgraph.tracking import MODEL_NAMES, metric_name
 from medgraph.umls.schema import MRCONSO
 from resources import EncoderResource, LlmResource, MlflowResource, WarehouseResource
 
 SETTINGS = load_settings()
-DATASETS = dg.StaticPartitionsDefinition(list(dataset_names(SETTINGS.benchmark, SETTINGS.home)))
+# Never raises: a bad benchmark fails inside eval/qa_benchmark, not while the definitions load.
+DATASETS = dg.StaticPartitionsDefinition(partition_names(SETTINGS.benchmark, SETTINGS.home))
 
 
 class BenchmarkConfig(dg.Config):
@@ -182,8 +183,9 @@ POLICY = dg.AssetKey(["models", "graph_r1_policy"])
 SFT = dg.AssetKey(["models", "graph_r1_sft"])
 
 eval_assets = [
-    _eval_asset("eval_baselines", ("cot", "rag", "irag"), (),
-                "Baselines: chain of thought, single-round hybrid RAG (MedRAG style), follow-up RAG (i-MedRAG style)."),
+    _eval_asset("eval_baselines", ("cot", "rag", "rag-kg", "irag"), (),
+                "Baselines: chain of thought; MedRAG (text snippets, BM25 + dense, RRF); rag-kg, our variant with "
+                "KG triples; i-MedRAG (follow-up queries, each answered from its snippets)."),
     _eval_asset("eval_a2rag", ("a2rag",), (GAT, PROJECTOR, GSRM_PARAMS),
                 "A2RAG (AWC + GSRM + HIIM with the champion projector, text-only fallback recorded)."),
     _eval_asset("eval_graph_r1", ("graph-r1",), (SFT, POLICY),
@@ -309,7 +311,7 @@ def evaluation_report(context: dg.AssetExecutionContext, config: ReportConfig, w
     store = warehouse.open()
     tracking = mlflow_tracking.tracking()
     lineage = {"release fingerprint": _ingested_release_fingerprint(context.instance),
-               "encoder": encoder.spec, "LLM": llm.spec, "benchmark": SETTINGS.benchmark}
+               "encoder": encoder.spec, "LLM": redact_uri(llm.spec), "benchmark": redact_uri(SETTINGS.benchmark)}
     for name in MODEL_NAMES.values():
         lineage[f"{name}@champion"] = f"v{tracking.champion_version(name)}" if tracking.champion_version(name) \
             else "none registered"

@@ -37,6 +37,7 @@ from medgraph.rl.policy import (
 from medgraph.rl.rollout import evaluate
 from medgraph.rl.sft import SftConfig, expert_demonstrations, load_qa_items, train_sft
 from medgraph.settings import load_settings
+from medgraph.tracking import Tracking
 from resources import EncoderResource, LlmResource, MlflowResource, WarehouseResource
 
 SFT_KEY = dg.AssetKey(["models", "graph_r1_sft"])
@@ -159,7 +160,11 @@ class GraphR1PolicyConfig(_TrainingConfig):
                                       "reward_variant", "rollout_server")
 
 
-def _sft_model_uri(context: dg.AssetExecutionContext) -> str:
+def _sft_start_uri(context: dg.AssetExecutionContext, tracking: Tracking) -> str:
+    """Where GRPO starts: the SFT champion (the policy that passed its gate), else the latest SFT run's model."""
+    champion = tracking.champion_version(SFT_MODEL_NAME)
+    if champion is not None:
+        return f"models:/{SFT_MODEL_NAME}/{champion}"
     event = context.instance.get_latest_materialization_event(SFT_KEY)
     uri = event.asset_materialization.metadata.get("model_uri") if event and event.asset_materialization else None
     if uri is None:
@@ -183,8 +188,8 @@ def graph_r1_policy(context: dg.AssetExecutionContext, config: GraphR1PolicyConf
     masked, KL to the SFT policy), validated every N steps; registered as `medgraph-graph-r1-policy`,
     `champion` moving only when it beats the champion or, with none, its SFT start (POLICY_GATE)."""
     grpo_config = config.grpo_config()
-    sft_uri = _sft_model_uri(context)
     store, tracking = warehouse.open(), mlflow_tracking.tracking()
+    sft_uri = _sft_start_uri(context, tracking)
     with Retriever(store, encoder.load()) as retriever, mlflow_tracking.start_asset_run(context, POLICY_INPUTS) as run:
         data_versions = {k.removeprefix("data_version/"): v for k, v in run.data.tags.items()
                          if k.startswith("data_version/")}

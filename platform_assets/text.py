@@ -1,34 +1,37 @@
-"""Text corpus (KG node texts + optional user corpora), its BM25 index, and the chunk-concept graph."""
+"""Text corpus (PubMedQA abstracts, concept definitions, optional user corpora), its BM25 index, and the
+chunk-concept graph."""
 
 import dagster as dg
 
-from medgraph.text.corpus import build_corpus_chunks
+from medgraph.text.corpus import DEFAULT_SOURCES, build_corpus_chunks, mention_coverage
 from medgraph.text.mentions import link_chunk_mentions
 from resources import WarehouseResource
 
 
 class CorpusConfig(dg.Config):
+    sources: list[str] = list(DEFAULT_SOURCES)
+    """Built-in sources: `pubmedqa` (the packaged PQA-L abstracts, MIT), `definitions` (one document per
+    concept with its UMLS definitions) and, opt-in, `kg_node_texts` (node texts with verbalized relations)."""
     corpus_files: list[str] = []
     """Extra corpora: JSONL or Parquet files with `id`, `title`, `text` (e.g. PubMed abstracts)."""
-    include_kg: bool = True
     chunk_tokens: int = 1200
     overlap_tokens: int = 100
 
 
 @dg.asset(
     key=["text", "corpus_chunks"],
-    deps=[dg.AssetKey(["kg", "kg_node_text"])],
+    deps=[dg.AssetKey(["kg", "kg_nodes"]), dg.AssetKey(["kg", "kg_node_text"])],
     group_name="text",
     kinds={"duckdb", "parquet"},
     pool="warehouse",
     automation_condition=dg.AutomationCondition.eager(),
-    code_version="1",
+    code_version="2",
 )
 def corpus_chunks(context: dg.AssetExecutionContext, config: CorpusConfig,
                   warehouse: WarehouseResource) -> dg.MaterializeResult:
-    """Token chunks (default 1200 with 100 overlap) of every KG node text and user document, as
-    `text.corpus_chunks`, with its BM25 index (DuckDB fts) rebuilt in the same transaction."""
-    stats = build_corpus_chunks(warehouse.open(), config.corpus_files, include_kg=config.include_kg,
+    """Token chunks (default 1200 with 100 overlap) of the PubMedQA abstracts, concept definitions and user
+    documents, as `text.corpus_chunks`, with its BM25 index (DuckDB fts) rebuilt in the same transaction."""
+    stats = build_corpus_chunks(warehouse.open(), config.corpus_files, sources=config.sources,
                                 chunk_tokens=config.chunk_tokens, overlap_tokens=config.overlap_tokens)
     metadata = stats.as_metadata()
     metadata["dagster/row_count"] = stats.chunks
@@ -53,12 +56,16 @@ class MentionsConfig(dg.Config):
                      automation_condition=dg.AutomationCondition.eager()),
     ],
     pool="warehouse",
-    code_version="1",
+    code_version="2",
 )
 def chunk_concept_graph(context: dg.AssetExecutionContext, config: MentionsConfig, warehouse: WarehouseResource):
     """Graph-R1's chunk-entity graph over our KG: chunk -> concept mentions and chunk <-> chunk links."""
-    stats = link_chunk_mentions(warehouse.open(), max_chunks_per_concept=config.max_chunks_per_concept)
+    store = warehouse.open()
+    stats = link_chunk_mentions(store, max_chunks_per_concept=config.max_chunks_per_concept)
     metadata = stats.as_metadata()
+    metadata["chunks_with_mentions_share"] = round(stats.chunks_with_mentions / max(stats.chunks, 1), 4)
+    for source, (mentioning, total) in mention_coverage(store).items():
+        metadata[f"chunks_with_mentions_{source}"] = f"{mentioning} of {total} ({mentioning / total:.1%})"
     yield dg.MaterializeResult(asset_key=["kg", "kg_chunk_mentions"],
                                metadata={**metadata, "dagster/row_count": stats.mentions})
     yield dg.MaterializeResult(asset_key=["kg", "kg_chunk_links"],

@@ -59,8 +59,8 @@ def answer_a(conversation: Conversation) -> str:
 # --------------------------------------------------------------------------- evidence recall per method
 
 
-def test_rag_that_shows_the_gold_fact_has_full_recall_and_an_item_without_gold_has_none(tools: KnowledgeTools):
-    treat, no_gold = run_method("rag", [TREAT, NO_GOLD], tools, ScriptedChatModel(answer_a))
+def test_rag_kg_that_shows_the_gold_fact_has_full_recall_and_an_item_without_gold_has_none(tools: KnowledgeTools):
+    treat, no_gold = run_method("rag-kg", [TREAT, NO_GOLD], tools, ScriptedChatModel(answer_a))
     assert any({src, dst} == {AMLODIPINE, HYPERTENSION} for src, dst in treat.evidence.triples.values())
     assert treat.evidence.chunks and all(chars == 600 for chars in treat.evidence.chunks.values())
     assert (treat.evidence_pair_recall, treat.evidence_answer_recall) == (1.0, 1.0)
@@ -236,7 +236,7 @@ def test_graph_r1_cut_at_its_last_turn_is_asked_for_the_answer_outside_the_envir
 
 
 @pytest.mark.parametrize("method, overrides", [
-    ("irag", {"iterations": 1}), ("sema-rag-no-e-agent", {}), ("sema-rag-no-a-agent", {"use_e_agent": False}),
+    ("irag", {"rounds": 1}), ("sema-rag-no-e-agent", {}), ("sema-rag-no-a-agent", {"use_e_agent": False}),
     ("a2rag-no-awc", {"iterations": 0, "max_triples_per_relation": 3, "top_n": 5}),
 ])
 def test_every_method_retries_its_cut_answer(tools: KnowledgeTools, method: str, overrides: dict):

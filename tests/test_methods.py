@@ -539,27 +539,7 @@ def test_graph_r1_method_steps_questions_in_lockstep(tools: KnowledgeTools):
 # --------------------------------------------------------------------------- baselines, registry, traces
 
 
-def test_rag_retrieves_once_with_rrf_passages_and_triples(tools: KnowledgeTools):
-    llm = ScriptedChatModel(lambda conversation: "<answer>A</answer>")
-    (result,) = run_method("rag", [TREAT], tools, llm)
-    retrieve, answer = result.steps
-    assert (retrieve.action, answer.action) == ("retrieve", "answer") and len(retrieve.retrieved_ids) > 5
-    assert len(llm.calls) == 1
-    prompt = llm.calls[0][0][-1].content
-    assert "Text passages:\n[1]" in prompt and "Knowledge graph facts:\n1." in prompt
-
-
-def test_irag_runs_a_fixed_number_of_follow_up_rounds(tools: KnowledgeTools):
-    def reply(conversation: Conversation) -> str:
-        return "<answer>A</answer>" if "final answer" in conversation[-1].content else \
-            "1. amlodipine indications\n2. calcium channel blockers for hypertension"
-
-    llm = ScriptedChatModel(reply)
-    (result,) = run_method("irag", [TREAT], tools, llm, make_config("irag", {"iterations": 3}))
-    assert [s.action for s in result.steps] == ["follow_up"] * 3 + ["answer"] and len(llm.calls) == 4
-    assert result.steps[0].arguments["queries"] == ["amlodipine indications",
-                                                    "calcium channel blockers for hypertension"]
-    assert result.steps[0].retrieved_ids and result.prediction == "A"
+# MedRAG, rag-kg and i-MedRAG prompts and calls: tests/test_baselines.py.
 
 
 def test_configs_are_validated_and_ablations_are_presets():
@@ -628,8 +608,10 @@ E2E_CONFIGS = {  # few steps and tokens: this checks that each method runs on a 
     "graph-r1": {"max_steps": 2, "max_new_tokens": 24, "search_k": 4, "traverse_limit": 8, "demonstration": True},
     "sema-rag": {"max_rounds": 2, "max_new_tokens": 16, "text_k": 1, "triples_per_round": 3},
     "cot": {"max_new_tokens": 16},
-    "rag": {"text_k": 2, "triples_k": 5, "max_new_tokens": 16},
-    "irag": {"iterations": 1, "text_k": 1, "max_new_tokens": 16},
+    "rag": {"text_k": 2, "max_new_tokens": 16},
+    "rag-kg": {"text_k": 2, "triples_k": 5, "max_new_tokens": 16},
+    "irag": {"rounds": 1, "queries_per_round": 1, "text_k": 1, "query_tokens": 24, "query_answer_tokens": 16,
+             "max_new_tokens": 16},
 }
 
 

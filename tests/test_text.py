@@ -30,7 +30,8 @@ def tokenizer():
 
 @pytest.fixture(scope="module")
 def text_warehouse(kg_warehouse: Warehouse, tmp_path_factory: pytest.TempPathFactory) -> Warehouse:
-    """The tiny KG with corpus_chunks (KG node texts only), its BM25 index and the mention tables. Read-only."""
+    """The tiny KG with the default corpus_chunks (PubMedQA abstracts, concept definitions), its BM25 index and
+    the mention tables. Read-only."""
     warehouse = copy_warehouse(kg_warehouse, tmp_path_factory.mktemp("text_home"))
     build_corpus_chunks(warehouse)
     link_chunk_mentions(warehouse)
@@ -102,7 +103,7 @@ def test_window_settings_are_checked(tokenizer):
 # -----------------------------------------------------------------------------
 # Corpus files and the corpus_chunks table
 
-def test_jsonl_and_parquet_corpora_are_chunked_next_to_the_kg(kg_copy: Warehouse, tmp_path: Path):
+def test_jsonl_and_parquet_corpora_are_chunked_next_to_the_kg_node_texts(kg_copy: Warehouse, tmp_path: Path):
     long_text = " ".join(SIMPLE_WORDS[i % len(SIMPLE_WORDS)] for i in range(2500))
     jsonl = write_jsonl(tmp_path / "abstracts.jsonl", [
         {"id": 1, "title": "Long", "text": long_text},
@@ -111,14 +112,15 @@ def test_jsonl_and_parquet_corpora_are_chunked_next_to_the_kg(kg_copy: Warehouse
     parquet = tmp_path / "notes.parquet"
     pq.write_table(pa.table({"id": ["n1", "n2"], "title": ["A", None], "text": ["Bradycardia at rest.", "   "]}), parquet)
 
-    stats = build_corpus_chunks(kg_copy, [jsonl, CorpusFile(parquet, source="clinical")])
+    stats = build_corpus_chunks(kg_copy, [jsonl, CorpusFile(parquet, source="clinical")], sources=["kg_node_texts"])
 
     kg_nodes = rows(kg_copy, "SELECT count(*) FROM kg.kg_node_text")[0][0]
-    assert (stats.per_source["kg"].documents, stats.per_source["kg"].chunks) == (kg_nodes, kg_nodes)
+    node_texts = stats.per_source["kg_node_texts"]
+    assert (node_texts.documents, node_texts.chunks) == (kg_nodes, kg_nodes)
     assert stats.per_source["abstracts"].chunks == (1 + math.ceil((2500 - 1200) / 1100)) + 1  # long + short doc
     assert (stats.per_source["clinical"].documents, stats.per_source["clinical"].empty_documents) == (2, 1)
     got = rows(kg_copy, "SELECT source, doc_id, chunk_index, title, n_tokens FROM text.corpus_chunks "
-                        "WHERE source <> 'kg' ORDER BY source, doc_id, chunk_index")
+                        "WHERE source <> 'kg_node_texts' ORDER BY source, doc_id, chunk_index")
     assert got == [("abstracts", "1", 0, "Long", 1200), ("abstracts", "1", 1, "Long", 1200),
                    ("abstracts", "1", 2, "Long", 300), ("abstracts", "p2", 0, "", 7),
                    ("clinical", "n1", 0, "A", 6)]  # brady ##card ##ia at rest .
@@ -131,12 +133,12 @@ def test_jsonl_and_parquet_corpora_are_chunked_next_to_the_kg(kg_copy: Warehouse
 def test_chunk_text_is_the_document_substring_and_ids_are_stable(kg_copy: Warehouse, tmp_path: Path):
     text = "  Sjögren’s syndrome — naïve café.  " + " ".join(["epileptiform discharges"] * 700)
     jsonl = write_jsonl(tmp_path / "docs.jsonl", [{"id": "d", "title": "t", "text": text}])
-    build_corpus_chunks(kg_copy, [jsonl], include_kg=False, chunk_tokens=200, overlap_tokens=20)
+    build_corpus_chunks(kg_copy, [jsonl], sources=(), chunk_tokens=200, overlap_tokens=20)
     first = rows(kg_copy, "SELECT chunk_id, text, start_char, end_char FROM text.corpus_chunks ORDER BY chunk_index")
     assert len(first) > 5
     assert all(chunk == text[start:end] for _, chunk, start, end in first)
     assert first[0][2] == 2  # leading whitespace is not part of a chunk
-    build_corpus_chunks(kg_copy, [jsonl], include_kg=False, chunk_tokens=200, overlap_tokens=20)
+    build_corpus_chunks(kg_copy, [jsonl], sources=(), chunk_tokens=200, overlap_tokens=20)
     assert rows(kg_copy, "SELECT chunk_id, text, start_char, end_char FROM text.corpus_chunks "
                          "ORDER BY chunk_index") == first
 
@@ -238,10 +240,10 @@ def test_pubmedqa_abstracts_are_found_by_their_questions(kg_copy: Warehouse, tmp
     if not source.is_file():
         pytest.skip(f"shared PubMedQA data not present at {source}")
     items = json.loads(source.read_text(encoding="utf-8"))
-    jsonl = write_jsonl(tmp_path / "pubmedqa.jsonl", [
+    jsonl = write_jsonl(tmp_path / "pqal_dev.jsonl", [
         {"id": pmid, "title": "", "text": "\n\n".join([*item["CONTEXTS"], item["LONG_ANSWER"]])}
         for pmid, item in items.items()])
-    stats = build_corpus_chunks(kg_copy, [jsonl], include_kg=False)
+    stats = build_corpus_chunks(kg_copy, [jsonl], sources=())
     assert stats.documents == len(items) == 500
 
     hits = bm25_search(kg_copy, [item["QUESTION"] for item in items.values()], k=10)
@@ -292,7 +294,7 @@ def test_chunk_links_respect_the_fan_out_cap(kg_copy: Warehouse, tmp_path: Path,
         {"id": "b", "text": "Bradycardia with a focal motor seizure."},
         {"id": "c", "text": "Bradycardia only."},
     ])
-    build_corpus_chunks(kg_copy, [docs], include_kg=False)
+    build_corpus_chunks(kg_copy, [docs], sources=())
     chunk = dict(rows(kg_copy, "SELECT doc_id, chunk_id FROM text.corpus_chunks"))
 
     stats = link_chunk_mentions(kg_copy, max_chunks_per_concept=2)  # bradycardia is in 3 chunks: no links
@@ -311,7 +313,7 @@ def test_chunk_links_respect_the_fan_out_cap(kg_copy: Warehouse, tmp_path: Path,
 
 def test_extract_hook_adds_mentions_and_drops_unknown_concepts(kg_copy: Warehouse, tmp_path: Path, node_cui):
     docs = write_jsonl(tmp_path / "cases.jsonl", [{"id": "a", "text": "Bradycardia and a slow pulse."}])
-    build_corpus_chunks(kg_copy, [docs], include_kg=False)
+    build_corpus_chunks(kg_copy, [docs], sources=())
     dictionary = ConceptDictionary.from_warehouse(kg_copy)
 
     def with_llm(chunks):
@@ -330,13 +332,12 @@ def test_kg_mentions_have_exact_offsets_and_match_the_lake(text_warehouse: Wareh
         SELECT count(*) FROM kg.kg_chunk_mentions AS m JOIN text.corpus_chunks AS c USING (chunk_id)
         WHERE substr(c.text, m.start_char + 1, m.end_char - m.start_char) <> m.mention""")
     assert bad == [(0,)]
-    # Every node's chunk mentions the node itself (its text starts with its preferred name).
-    unlinked = rows(text_warehouse, """
-        SELECT count(*) FROM text.corpus_chunks AS c
-        WHERE c.source = 'kg' AND NOT EXISTS (
-            SELECT 1 FROM kg.kg_chunk_mentions AS m WHERE m.chunk_id = c.chunk_id AND m.cui = c.doc_id)""")
-    nodes = rows(text_warehouse, "SELECT count(*) FROM kg.kg_nodes")[0][0]
-    assert unlinked[0][0] < 0.02 * nodes
+    # Every definition's chunk mentions the concept it defines (its text starts with the preferred name).
+    unlinked, definitions = rows(text_warehouse, """
+        SELECT count(*) FILTER (WHERE NOT EXISTS (
+            SELECT 1 FROM kg.kg_chunk_mentions AS m WHERE m.chunk_id = c.chunk_id AND m.cui = c.doc_id)), count(*)
+        FROM text.corpus_chunks AS c WHERE c.source = 'definitions'""")[0]
+    assert definitions > 0 and unlinked < 0.02 * definitions
     for table in ("kg_chunk_mentions", "kg_chunk_links"):
         lake = pq.read_table(text_warehouse.lake.table_path("kg", table)).num_rows
         assert lake == rows(text_warehouse, f"SELECT count(*) FROM kg.{table}")[0][0] > 0

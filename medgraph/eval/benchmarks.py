@@ -5,7 +5,8 @@ comma-separated:
 
     kg                               the embedded KG-derived test split ($MEDGRAPH_HOME/qa/qa_items.test.json)
     mirage:PATH[#medqa+pubmedqa]     a MIRAGE `benchmark.json` (any subset of its datasets)
-    pubmedqa:PATH                    a PubMedQA `ori_pqal.json`-style file (yes/no/maybe)
+    pubmedqa:PATH                    a PubMedQA `ori_pqal.json`-style file (yes/no/maybe), reasoning-required:
+                                     each abstract is to be retrieved from the corpus, not given
     jsonl:PATH[#name]                one JSON object per line: question, options, answer (and optional id)
 
 Every source yields QaItems grouped by dataset name; dataset names become the
@@ -16,6 +17,7 @@ question id, and what was expected.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +26,9 @@ from medgraph.kg.qa import DATASET_OF_TYPE, QaItem, load_mirage
 
 PUBMEDQA_OPTIONS = {"A": "yes", "B": "no", "C": "maybe"}
 KINDS = ("kg", "mirage", "pubmedqa", "jsonl")
+# Dataset names become file names (eval/benchmark/<dataset>.json, lake partitions): no separators, no `..`.
+DATASET_NAME = re.compile(r"[A-Za-z0-9_.-]+")
+MIRAGE_DATASETS = ("bioasq", "medmcqa", "medqa", "mmlu", "pubmedqa")  # MIRAGE's five, when a file cannot be read
 
 
 class BenchmarkFormatError(ValueError):
@@ -35,6 +40,14 @@ class BenchmarkSource:
     kind: str  # kg | mirage | pubmedqa | jsonl
     path: Path | None
     datasets: tuple[str, ...] = ()  # mirage: the subset to keep; jsonl: the dataset name (one)
+
+
+def check_dataset_name(name: object, where: str) -> str:
+    """`name` if it is safe as a file name (`[A-Za-z0-9_.-]+`, not `.` or `..`), else BenchmarkFormatError."""
+    if not isinstance(name, str) or not DATASET_NAME.fullmatch(name) or name in (".", ".."):
+        raise BenchmarkFormatError(f"{where}: dataset name {name!r} is not allowed (it becomes a file name): "
+                                   f"use letters, digits, '_', '.' and '-' only, not '.' or '..'")
+    return name
 
 
 def parse_benchmark_spec(spec: str, home: Path) -> list[BenchmarkSource]:
@@ -58,11 +71,20 @@ def parse_benchmark_spec(spec: str, home: Path) -> list[BenchmarkSource]:
     return sources
 
 
+def pubmed_doc_id(pmid: str | int) -> str:
+    """The corpus document id of a PubMed abstract (the packaged PubMedQA corpus uses these)."""
+    return f"pubmed:{pmid}"
+
+
 def load_pubmedqa(path: Path, dataset: str = "pubmedqa") -> list[QaItem]:
     """PubMedQA `ori_pqal.json`: {pmid: {QUESTION, CONTEXTS, final_decision, ...}} as yes/no/maybe items.
 
-    The abstract (CONTEXTS) is kept in `extra["contexts"]`, not in the question: like MIRAGE's
-    PubMedQA*, methods must retrieve their evidence.
+    The reasoning-required setting: the abstract is not in the question or the prompt (it is kept
+    in `extra["contexts"]` for reference, and no method reads it); methods must retrieve it from the
+    corpus, whose default `pubmedqa` source holds the 500 PQA-L abstracts of `pqal_dev.json`.
+    `extra["gold_doc_ids"]` names it (`pubmed:<PMID>`), so evaluation records whether each method
+    showed its answering call a chunk of it (`gold_doc_recall`); for a file whose abstracts are not
+    in the corpus that is left unmeasured, with a warning (add them as a corpus file).
     """
     data = _read_json(path)
     if not isinstance(data, dict):
@@ -77,7 +99,8 @@ def load_pubmedqa(path: Path, dataset: str = "pubmedqa") -> list[QaItem]:
             raise BenchmarkFormatError(f"{path}: entry {pmid}: final_decision {decision!r} is not yes, no or maybe")
         items.append(QaItem(dataset=dataset, qid=str(pmid), question=str(entry["QUESTION"]),
                             options=dict(PUBMEDQA_OPTIONS), answer=letter_of[decision], pmids=(str(pmid),),
-                            extra={"contexts": list(entry.get("CONTEXTS") or []),
+                            extra={"gold_doc_ids": [pubmed_doc_id(pmid)],
+                                   "contexts": list(entry.get("CONTEXTS") or []),
                                    "long_answer": entry.get("LONG_ANSWER", "")}))
     return items
 
@@ -130,6 +153,8 @@ def load_benchmark(spec: str, home: Path, limit_per_dataset: int | None = None) 
     by_dataset: dict[str, list[QaItem]] = {}
     for source in parse_benchmark_spec(spec, home):
         for item in load_source(source):
+            if item.dataset not in by_dataset:
+                check_dataset_name(item.dataset, str(source.path))
             by_dataset.setdefault(item.dataset, []).append(item)
     if limit_per_dataset is not None:
         by_dataset = {name: items[:limit_per_dataset] for name, items in by_dataset.items()}
@@ -162,7 +187,36 @@ def dataset_names(spec: str, home: Path) -> Sequence[str]:
             if not isinstance(data, dict):
                 raise BenchmarkFormatError(f"{source.path}: expected an object of datasets")
             names += list(data)
-    return sorted(set(names))
+    return sorted({check_dataset_name(name, f"benchmark spec {spec!r}") for name in names})
+
+
+def partition_names(spec: str, home: Path) -> list[str]:
+    """The evaluation partitions; never raises, so one bad benchmark cannot stop the definitions from loading.
+
+    When `dataset_names` fails (a missing or malformed file, a bad name or spec), this falls back to the
+    names the spec declares without opening anything (a MIRAGE file without selector: MIRAGE's five
+    datasets), else the embedded split's; `eval/qa_benchmark` then fails with the real error when it runs.
+    """
+    try:
+        return list(dataset_names(spec, home))
+    except (OSError, ValueError):
+        pass
+    try:
+        sources = parse_benchmark_spec(spec, home)
+    except ValueError:
+        return list(KG_DATASETS)
+    declared: list[str] = []
+    for source in sources:
+        if source.kind == "kg":
+            declared += KG_DATASETS
+        elif source.kind == "pubmedqa":
+            declared.append("pubmedqa")
+        elif source.kind == "jsonl":
+            declared.append(source.datasets[0] if source.datasets else source.path.stem)
+        else:
+            declared += source.datasets or MIRAGE_DATASETS
+    safe = sorted({name for name in declared if DATASET_NAME.fullmatch(name) and name not in (".", "..")})
+    return safe or list(KG_DATASETS)
 
 
 def _read_json(path: Path) -> object:
@@ -171,3 +225,16 @@ def _read_json(path: Path) -> object:
             return json.load(handle)
     except json.JSONDecodeError as error:
         raise BenchmarkFormatError(f"{path}:{error.lineno}: not valid JSON ({error.msg})") from None
+    except UnicodeDecodeError:
+        raise BenchmarkFormatError(_not_utf8(path)) from None
+
+
+def _not_utf8(path: Path) -> str:
+    """`file:line: not UTF-8 (...)` for a file that failed to decode (the reader's offset is of its buffer)."""
+    raw = path.read_bytes()
+    try:
+        raw.decode("utf-8")
+    except UnicodeDecodeError as error:
+        line = raw.count(b"\n", 0, error.start) + 1
+        return f"{path}:{line}: not UTF-8 (byte {raw[error.start]:#04x})"
+    return f"{path}: not UTF-8"

@@ -6,7 +6,9 @@ parse-failure rate, and an answer reply cut at its token budget (asked once
 more for the answer alone) as the truncation rate; evidence recall (the share
 of a question's gold concept pairs, and whether its answer concept, in what
 the answering call was shown) as a mean with its standard error over the
-questions that carry gold; cost as tokens per question and latency p50/p95; method
+questions that carry gold; gold-document recall (PubMedQA: whether a chunk of the
+question's own abstract was among the passages shown, recall@k for rag) likewise;
+cost as tokens per question and latency p50/p95; method
 statistics (A2RAG routing shares and HIIM mode, SEMA-RAG rounds and early
 stops, Graph-R1 steps, GSRM recall per iteration when gold paths are known).
 
@@ -45,6 +47,7 @@ class MethodSummary:
     parse_failure_rate: float
     mean_f1: float
     prompt_tokens: float  # per question
+    prompt_tokens_computed: float  # ... that the model ran (a prefix cache served the others)
     completion_tokens: float
     llm_calls: float
     latency_p50_s: float
@@ -62,6 +65,12 @@ class MethodSummary:
     answer_in_evidence: float = float("nan")
     answer_in_evidence_se: float = float("nan")
     answer_in_evidence_n: int = 0
+    # Share of questions for which a chunk of their own gold document (PubMedQA: the question's abstract) was
+    # among the passages shown to the answering call, its standard error, and n (questions whose gold
+    # document is in the corpus).
+    gold_doc_recall: float = float("nan")
+    gold_doc_recall_se: float = float("nan")
+    gold_doc_recall_n: int = 0
 
     def as_row(self) -> dict[str, object]:
         row = {k: v for k, v in self.__dict__.items() if k != "extra"}
@@ -113,6 +122,9 @@ def method_statistics(results: Sequence[MethodResult]) -> dict[str, float]:
         values = [float(r.stats[key]) for r in results if r.stats.get(key) is not None]
         if values:
             stats[f"{key}_mean"] = float(np.mean(values))
+    in_corpus = [bool(r.stats["gold_doc_in_corpus"]) for r in results if "gold_doc_in_corpus" in r.stats]
+    if in_corpus:  # < 1: some questions' own documents are not in the corpus (gold-doc recall unmeasured)
+        stats["gold_doc_in_corpus_share"] = float(np.mean(in_corpus))
     # Recall@10 and Recall@N of GSRM's ranked triple list after each iteration k (0 = the 1-hop G_init).
     for cutoff in ("at10", "atN"):
         by_iteration = [r.stats[f"gsrm_recall_{cutoff}_by_iteration"] for r in results
@@ -136,10 +148,12 @@ def summarize(results: Sequence[MethodResult]) -> list[MethodSummary]:
         latencies = np.array([r.latency_s for r in group])
         pair_recall, pair_recall_se, pair_recall_n = mean_and_se([r.evidence_pair_recall for r in group])
         in_evidence, in_evidence_se, in_evidence_n = mean_and_se([r.evidence_answer_recall for r in group])
+        doc_recall, doc_recall_se, doc_recall_n = mean_and_se([r.gold_doc_recall for r in group])
         summaries.append(MethodSummary(
             method=method, dataset=dataset, questions=n, accuracy=correct / n, accuracy_se=binomial_se(correct, n),
             parse_failure_rate=sum(r.parse_failed for r in group) / n, mean_f1=float(np.mean([r.f1 for r in group])),
             prompt_tokens=float(np.mean([r.prompt_tokens for r in group])),
+            prompt_tokens_computed=float(np.mean([r.prompt_tokens_computed for r in group])),
             completion_tokens=float(np.mean([r.completion_tokens for r in group])),
             llm_calls=float(np.mean([r.llm_calls for r in group])),
             latency_p50_s=float(np.percentile(latencies, 50)), latency_p95_s=float(np.percentile(latencies, 95)),
@@ -148,6 +162,7 @@ def summarize(results: Sequence[MethodResult]) -> list[MethodSummary]:
             evidence_pair_recall=pair_recall, evidence_pair_recall_se=pair_recall_se,
             evidence_pair_recall_n=pair_recall_n, answer_in_evidence=in_evidence,
             answer_in_evidence_se=in_evidence_se, answer_in_evidence_n=in_evidence_n,
+            gold_doc_recall=doc_recall, gold_doc_recall_se=doc_recall_se, gold_doc_recall_n=doc_recall_n,
         ))
     return summaries
 
@@ -161,13 +176,14 @@ def _mean_cell(mean: float, se: float, n: int) -> str:
 
 def markdown_table(summaries: Sequence[MethodSummary]) -> str:
     columns = ("method", "dataset", "n", "accuracy", "parse failures", "truncated", "evidence pair recall",
-               "answer in evidence", "tokens/q", "latency p50 / p95 (s)")
+               "answer in evidence", "gold doc recall", "tokens/q", "latency p50 / p95 (s)")
     lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     for s in summaries:
         lines.append(f"| {s.method} | {s.dataset} | {s.questions} | {s.accuracy:.3f} ± {s.accuracy_se:.3f} "
                      f"| {s.parse_failure_rate:.1%} | {s.truncation_rate:.1%} "
                      f"| {_mean_cell(s.evidence_pair_recall, s.evidence_pair_recall_se, s.evidence_pair_recall_n)} "
                      f"| {_mean_cell(s.answer_in_evidence, s.answer_in_evidence_se, s.answer_in_evidence_n)} "
+                     f"| {_mean_cell(s.gold_doc_recall, s.gold_doc_recall_se, s.gold_doc_recall_n)} "
                      f"| {s.prompt_tokens + s.completion_tokens:.0f} "
                      f"| {s.latency_p50_s:.2f} / {s.latency_p95_s:.2f} |")
     return "\n".join(lines)
@@ -179,14 +195,17 @@ def markdown_table(summaries: Sequence[MethodSummary]) -> str:
 def result_rows(results: Iterable[MethodResult]) -> list[dict[str, object]]:
     return [{"method": r.method, "dataset": r.dataset, "qid": r.qid, "answer": r.answer, "prediction": r.prediction,
              "parse_failed": r.parse_failed, "correct": r.correct, "f1": r.f1, "steps": len(r.steps),
-             "prompt_tokens": r.prompt_tokens, "completion_tokens": r.completion_tokens, "latency_s": r.latency_s,
+             "prompt_tokens": r.prompt_tokens, "prompt_tokens_computed": r.prompt_tokens_computed,
+             "completion_tokens": r.completion_tokens, "latency_s": r.latency_s,
              "truncated": r.truncated, "extra_answer_call": r.extra_answer_call,
              "evidence_pair_recall": r.evidence_pair_recall, "evidence_answer_recall": r.evidence_answer_recall,
+             "gold_doc_recall": r.gold_doc_recall,
              "stats": json.dumps(r.stats, sort_keys=True, default=str)} for r in results]
 
 
 # Columns that can be null in every row of a partition (evidence recall on items without gold) keep their type.
-_NULLABLE_COLUMNS = {"evidence_pair_recall": pa.float64(), "evidence_answer_recall": pa.float64()}
+_NULLABLE_COLUMNS = {"evidence_pair_recall": pa.float64(), "evidence_answer_recall": pa.float64(),
+                     "gold_doc_recall": pa.float64()}
 
 
 def _arrow_table(rows: Sequence[Mapping[str, object]]) -> pa.Table:

@@ -328,6 +328,16 @@ def build_report(data: ReportData, out_dir: Path) -> dict[str, Path]:
         sections.append(("Evidence recall (gold facts in what the answering LLM saw)", md, tab,
                          evidence_plot(summaries)))
 
+    own_document = [(s["method"], s["dataset"], int(_number(s.get("gold_doc_recall_n"))),
+                     _number(s.get("gold_doc_recall")), _number(s.get("gold_doc_recall_se")))
+                    for s in summaries if _number(s.get("gold_doc_recall_n")) > 0]
+    if own_document:  # PubMedQA: the question's own abstract is in the corpus, not in the prompt
+        md, tab = _table(["method", "dataset", "n (gold document in corpus)", "own document shown", "s.e."],
+                         own_document)
+        title = ("Gold-document recall (a chunk of the question's own abstract among the passages shown; "
+                 "recall@k for rag)")
+        sections.append((title, md, tab, None))
+
     versus = [c for c in data.comparisons if c.kind == "method"]
     if versus:
         md, tab = _table(["method", "reference", "dataset", "metric", "n", "method", "reference", "difference",

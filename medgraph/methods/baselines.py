@@ -1,23 +1,39 @@
 """Baselines the three methods are compared with, on the same LLM, KG, corpus and scorer.
 
 - `cot`: chain of thought without retrieval.
-- `rag`: one retrieval round, MedRAG style: BM25 and dense rankings of corpus
-  chunks fused by reciprocal rank fusion for the question and its options,
-  plus the KG triples of the concepts linked in them; then one answer.
-- `irag`: fixed-iteration follow-up RAG, i-MedRAG style: for a fixed number of
-  iterations the model writes follow-up queries, each query's passages are
-  added to the context, then one answer. (i-MedRAG also answers each
-  follow-up query with an LLM call; here the passages themselves are the
-  context, which keeps one model call per iteration.)
+- `rag`: MedRAG (Xiong et al. 2024, "Benchmarking Retrieval-Augmented Generation for Medicine"):
+  text only. The question is the query; BM25 and dense rankings of corpus chunks are fused by
+  reciprocal rank fusion (`Retriever.search_text(mode="hybrid")`); the top-k snippets and the
+  question go to one answer call.
+- `rag-kg`: OUR variant, not a published baseline: `rag`'s snippets plus the KG triples of the
+  concepts linked in the question and its options. The two rows differ only by the triples.
+- `irag`: i-MedRAG (Xiong et al. 2024, "Improving Retrieval-Augmented Generation in Medicine with
+  Iterative Follow-up Questions"; code: Teddy-XiongGZ/MedRAG `i_medrag_answer`): each round the
+  model analyses what it knows and writes follow-up queries; EACH query is answered by the model
+  from its own retrieved snippets (one MedRAG call per query); the (query, answer) pairs are the
+  context of the next round and of the final answer.
+
+Where we depart from the published code, and why:
+- Snippets: MedRAG shows k=32 whole snippets (RRF constant 100); we show `text_k` snippets cut to
+  `passage_chars` and fuse with RRF k=60 (`medgraph.retrieval.RRF_K`), so that prompts fit the
+  small models of a demo. Set `text_k` to 32 for the paper's setting.
+- i-MedRAG reads the queries of a reply with one more LLM call ("extract the queries as a JSON
+  list"); we parse the "## Queries" section (or, when absent, the reply's lines) instead, which
+  saves a call per round. A round whose reply holds no query searches with the question itself.
+- i-MedRAG ends with a free "## Answer" section and one more call for the answer as JSON; we ask
+  for the answer tag every method uses (and once more only when that reply is cut off, `answer_call`).
+- Every call of a step is batched across questions and, for the per-query answers, across queries.
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 
+from medgraph.kg.graph import Triple
 from medgraph.kg.qa import QaItem
-from medgraph.llm.base import ChatModel, GenerationConfig, Message, assistant, system, user
+from medgraph.llm.base import ChatModel, Completion, GenerationConfig, system, user
 from medgraph.methods.agent import Episode, Generate, ToolCall, answer_call
 from medgraph.methods.common import (
     EvidenceSeen,
@@ -32,7 +48,7 @@ from medgraph.methods.common import (
 from medgraph.methods.tools import KnowledgeTools, Passage
 
 EXPERT = "You are a medical expert. Answer the question; use the evidence when it is relevant."
-PASSAGE_CHARS = 600  # characters of a passage a prompt shows
+PASSAGE_CHARS = 600  # characters of a passage a prompt shows (default of `passage_chars`)
 
 
 @dataclass(frozen=True)
@@ -57,73 +73,124 @@ class ChainOfThought:
         return finish_result(self.name, item, reply, steps)  # nothing retrieved: no evidence
 
 
+# --------------------------------------------------------------------------- MedRAG and our KG variant
+
+
 @dataclass(frozen=True)
 class RagConfig:
+    """MedRAG: text snippets only."""
+
+    text_k: int = 5  # snippets shown (MedRAG: 32)
+    passage_chars: int = PASSAGE_CHARS
+    query_with_options: bool = False  # MedRAG retrieves with the question alone
+    max_new_tokens: int = 64
+
+
+@dataclass(frozen=True)
+class RagKgConfig:
+    """Our variant: MedRAG's snippets plus KG triples."""
+
     text_k: int = 5
+    passage_chars: int = PASSAGE_CHARS
+    query_with_options: bool = False
     triples_k: int = 15
     max_triples_per_relation: int | None = 50  # hub guard: edges kept per (concept, relation)
     max_new_tokens: int = 64
 
 
-def retrieval_query(item: QaItem) -> str:
-    """What MedRAG retrieves with: the question followed by its options."""
-    return " ".join([item.question, *item.options.values()])
+def retrieval_query(item: QaItem, with_options: bool = False) -> str:
+    """The snippet query: the question (MedRAG), optionally followed by its options."""
+    return " ".join([item.question, *item.options.values()]) if with_options else item.question
 
 
-class SingleRoundRag:
-    """One hybrid retrieval (chunks and triples), one answer."""
+class MedRag:
+    """MedRAG: one hybrid (BM25 + dense, RRF) snippet retrieval, one answer; no KG facts."""
 
     name = "rag"
 
-    def __init__(self, tools: KnowledgeTools, llm: ChatModel, config: RagConfig = RagConfig()):
+    def __init__(self, tools: KnowledgeTools, llm: ChatModel, config: RagConfig | RagKgConfig = RagConfig()):
         self.tools, self.config = tools, config
         self.generation = GenerationConfig(max_new_tokens=config.max_new_tokens)
 
-    def retrieve(self, items: list[QaItem]) -> list[tuple[list[Passage], list]]:
-        queries = [retrieval_query(item) for item in items]
-        passages = self.tools.passages(queries, k=self.config.text_k)
-        entities = self.tools.question_entities(items)
-        triples = self.tools.ranked_triples(entities, [item.question for item in items], top=self.config.triples_k,
-                                               per_relation_limit=self.config.max_triples_per_relation)
-        return [(p, [t for t, _ in row]) for p, row in zip(passages, triples)]
+    def retrieve(self, items: list[QaItem]) -> list[tuple[list[Passage], list[Triple]]]:
+        """Each question's snippets, and no triples."""
+        queries = [retrieval_query(item, self.config.query_with_options) for item in items]
+        return [(passages, []) for passages in self.tools.passages(queries, k=self.config.text_k)]
 
     def episode(self, item: QaItem) -> Episode:
         output = yield ToolCall(self.retrieve, item)
         passages, triples = output.value
-        steps = [Step(index=0, action="retrieve", arguments={"query": retrieval_query(item)},
+        steps = [Step(index=0, action="retrieve",
+                      arguments={"query": retrieval_query(item, self.config.query_with_options)},
                       retrieved_ids=[p.chunk_id for p in passages] + [t.edge_id for t in triples],
                       latency_s=output.latency_s)]
-        sections = [format_question(item)]
+        sections = []
         evidence = EvidenceSeen()
         if triples:
-            sections.append("Knowledge graph facts:\n" + format_triples(triples))
+            sections.append("Here are relevant knowledge graph facts:\n" + format_triples(triples))
             evidence.add_triples(triples)
-        if passages:
-            sections.append("Text passages:\n" + format_passages([(p.title, p.text) for p in passages],
-                                                                max_chars=PASSAGE_CHARS))
-            evidence.add_chunks([p.chunk_id for p in passages], PASSAGE_CHARS)
-        steps[0].observation = "\n\n".join(sections[1:])
-        sections.append(answer_instruction(item))
+        if passages:  # MedRAG's order: the documents, then the question
+            sections.append("Here are the relevant documents:\n" + format_passages(
+                [(p.title, p.text) for p in passages], max_chars=self.config.passage_chars))
+            evidence.add_chunks([p.chunk_id for p in passages], self.config.passage_chars)
+        steps[0].observation = "\n\n".join(sections)
+        sections += [format_question(item), answer_instruction(item)]
         reply = yield from answer_call(item, [system(EXPERT), user("\n\n".join(sections))], self.generation, steps)
         return finish_result(self.name, item, reply, steps, evidence=evidence)
 
 
+class MedRagWithTriples(MedRag):
+    """Our variant `rag-kg`: MedRAG's snippets (the same query) plus the `triples_k` 1-hop KG triples of
+    the question's concepts most similar to the question."""
+
+    name = "rag-kg"
+
+    def __init__(self, tools: KnowledgeTools, llm: ChatModel, config: RagKgConfig = RagKgConfig()):
+        super().__init__(tools, llm, config)
+        self.kg_config = config
+
+    def retrieve(self, items: list[QaItem]) -> list[tuple[list[Passage], list[Triple]]]:
+        """Each question's snippets and ranked triples."""
+        passages = [p for p, _ in super().retrieve(items)]
+        entities = self.tools.question_entities(items)
+        triples = self.tools.ranked_triples(entities, [item.question for item in items], top=self.kg_config.triples_k,
+                                            per_relation_limit=self.kg_config.max_triples_per_relation)
+        return [(p, [t for t, _ in row]) for p, row in zip(passages, triples)]
+
+
+# --------------------------------------------------------------------------- i-MedRAG
+
+
 @dataclass(frozen=True)
 class IterativeRagConfig:
-    iterations: int = 2
-    queries_per_iteration: int = 2
-    text_k: int = 3
-    max_new_tokens: int = 96
+    rounds: int = 4  # rounds of follow-up queries (i-MedRAG code: n_rounds=4)
+    queries_per_round: int = 3  # follow-up queries asked per round (i-MedRAG code: n_queries=3)
+    text_k: int = 3  # snippets retrieved to answer each follow-up query (i-MedRAG: k=32)
+    passage_chars: int = PASSAGE_CHARS
+    query_tokens: int = 128  # budget of a round's reply (analysis + queries)
+    query_answer_tokens: int = 64  # budget of the answer to one follow-up query
+    max_new_tokens: int = 96  # budget of the final answer
 
+
+QUERY_SYSTEM = "You are a helpful medical assistant, and your task is to answer the given question following " \
+               "the instructions given by the user."
+QUERY_ANSWER_SYSTEM = "You are a medical expert. Answer the question using the relevant documents, briefly."
 
 _QUERY_LINE = re.compile(r"^\s*(?:[-*]|\d+[.)]|query\s*\d*\s*[:.])?\s*(.+?)\s*$", re.IGNORECASE)
+_QUERIES_HEADING = re.compile(r"#+\s*queries\b\s*:?", re.IGNORECASE)
+_INLINE_ITEM = re.compile(r"\s+(?=(?:\d+[.)]|query\s*\d+\s*[:.])\s)", re.IGNORECASE)  # " 2. next query" on one line
 
 
 def parse_queries(text: str, limit: int) -> list[str]:
-    """Follow-up queries, one per line ("Query 1: ...", "- ...", "1. ..."); blank lines and
-    lines that are only a heading are skipped."""
+    """Follow-up queries, one per line or numbered on one line ("Query 1: ...", "- ...", "1. ... 2. ..."),
+    from the "## Queries" section when the reply has one (i-MedRAG's format), else from every line.
+    Blank lines, headings ("## Analysis") and lines that are only a label ("Queries:") are skipped."""
+    sections = _QUERIES_HEADING.split(text)
+    text = sections[-1] if len(sections) > 1 else text
     queries = []
-    for line in text.splitlines():
+    for line in _INLINE_ITEM.sub("\n", text).splitlines():
+        if line.lstrip().startswith("#"):
+            continue
         match = _QUERY_LINE.match(line)
         query = match.group(1).strip().strip("\"'") if match else ""
         if query and not query.endswith(":") and len(query.split()) >= 2:
@@ -131,49 +198,88 @@ def parse_queries(text: str, limit: int) -> list[str]:
     return list(dict.fromkeys(queries))[:limit]
 
 
+def format_query_answers(pairs: Sequence[tuple[str, str]]) -> str:
+    """i-MedRAG's context: "Query: ...\\nAnswer: ..." per follow-up query, in the order asked."""
+    return "\n\n".join(f"Query: {query}\nAnswer: {' '.join(answer.split())}" for query, answer in pairs)
+
+
+def query_answer_prompt(query: str, passages: Sequence[Passage], passage_chars: int) -> str:
+    """One follow-up query answered MedRAG style: its own snippets, then the query (no original question)."""
+    documents = format_passages([(p.title, p.text) for p in passages], max_chars=passage_chars) or "(none found)"
+    return f"Here are the relevant documents:\n{documents}\n\nHere is the question:\n{query}\n\nAnswer in one or " \
+           "two sentences."
+
+
 class IterativeRag:
-    """A fixed number of rounds of model-written follow-up queries, then one answer."""
+    """i-MedRAG: rounds of follow-up queries, each answered from its own snippets; the query-answer
+    pairs are the context of the next round and of the final answer.
+
+    LLM calls per question: rounds x (1 + queries_per_round) + 1 (+1 when the final reply is cut
+    off); per batch of questions, 2 batched calls per round + 1.
+    """
 
     name = "irag"
 
     def __init__(self, tools: KnowledgeTools, llm: ChatModel, config: IterativeRagConfig = IterativeRagConfig()):
-        self.tools, self.config = tools, config
+        self.tools, self.llm, self.config = tools, llm, config
+        self.query_generation = GenerationConfig(max_new_tokens=config.query_tokens)
+        self.query_answer_generation = GenerationConfig(max_new_tokens=config.query_answer_tokens)
         self.generation = GenerationConfig(max_new_tokens=config.max_new_tokens)
 
-    def search(self, query_sets: list[tuple[str, ...]]) -> list[list[Passage]]:
-        """The passages of each question's queries (one search for the whole batch)."""
+    # Tools: each is called once per agent step with the requests of every question in the batch.
+    def search(self, query_sets: list[tuple[str, ...]]) -> list[list[list[Passage]]]:
+        """The snippets of each follow-up query of each question (one hybrid search for all)."""
         found = iter(self.tools.passages([q for queries in query_sets for q in queries], k=self.config.text_k))
-        return [[p for _ in queries for p in next(found)] for queries in query_sets]
+        return [[next(found) for _ in queries] for queries in query_sets]
+
+    def answer_queries(self, requests: list[tuple[tuple[str, list[Passage]], ...]]) -> list[list[Completion]]:
+        """Each follow-up query answered from its snippets: ONE batched model call for every query of
+        every question."""
+        prompts = [[system(QUERY_ANSWER_SYSTEM), user(query_answer_prompt(q, p, self.config.passage_chars))]
+                   for queries in requests for q, p in queries]
+        completions = iter(self.llm.generate(prompts, self.query_answer_generation) if prompts else [])
+        return [[next(completions) for _ in queries] for queries in requests]
+
+    def round_prompt(self, item: QaItem, pairs: Sequence[tuple[str, str]]) -> str:
+        context = f"Follow-up queries asked so far and their answers:\n{format_query_answers(pairs)}\n\n" if pairs else ""
+        return (f"{context}{format_question(item)}\n\nFirst analyze all the information in a section named "
+                f"Analysis (## Analysis). Then, using key terms from previous answers, write "
+                f"{self.config.queries_per_round} concise, specific queries to search for more information in a "
+                "medical knowledge base, one per line, in a section named Queries (## Queries).")
 
     def episode(self, item: QaItem) -> Episode:
         config = self.config
         steps: list[Step] = []
-        conversation: list[Message] = [system(EXPERT), user(
-            f"{format_question(item)}\n\nTo answer, you may search medical texts. Write "
-            f"{config.queries_per_iteration} short search queries, one per line.")]
-        seen: set[str] = set()
-        numbered: list[Passage] = []
-        evidence = EvidenceSeen()  # every round's passages stay in the conversation
-        for iteration in range(config.iterations):
-            completion = yield Generate(list(conversation), self.generation)
-            queries = parse_queries(completion.text, config.queries_per_iteration)
+        pairs: list[tuple[str, str]] = []  # (follow-up query, its answer), every round's
+        snippets: dict[str, None] = {}  # chunks the per-query answers were given (ordered set)
+        for _ in range(config.rounds):
+            conversation = [system(QUERY_SYSTEM), user(self.round_prompt(item, pairs))]
+            completion = yield Generate(conversation, self.query_generation)
+            queries = parse_queries(completion.text, config.queries_per_round)
             note = "" if queries else "no query readable: searching with the question"
             queries = queries or [item.question]
             step = step_from_completion(len(steps), "follow_up", completion, {"queries": queries}, note)
             steps.append(step)
-            output = yield ToolCall(self.search, tuple(queries))
-            step.latency_s += output.latency_s
-            found = list({p.chunk_id: p for p in output.value if p.chunk_id not in seen}.values())
-            seen.update(p.chunk_id for p in found)
-            step.retrieved_ids = [p.chunk_id for p in found]
-            start = len(numbered) + 1
-            numbered += found
-            observation = format_passages([(p.title, p.text) for p in found], start=start,
-                                          max_chars=PASSAGE_CHARS) or "(no new passages)"
-            evidence.add_chunks([p.chunk_id for p in found], PASSAGE_CHARS)
-            step.observation = observation
-            more = ("Write more search queries, one per line, for what is still unclear."
-                    if iteration + 1 < config.iterations else answer_instruction(item))
-            conversation += [assistant(completion.text), user(f"Search results:\n{observation}\n\n{more}")]
-        reply = yield from answer_call(item, list(conversation), self.generation, steps)
-        return finish_result(self.name, item, reply, steps, {"iterations": config.iterations}, evidence)
+            searched = yield ToolCall(self.search, tuple(queries))
+            step.latency_s += searched.latency_s
+            answered = yield ToolCall(self.answer_queries, tuple(zip(queries, searched.value)))
+            for j, (query, passages, reply) in enumerate(zip(queries, searched.value, answered.value)):
+                answer = step_from_completion(len(steps), "query_answer", reply, {"query": query})
+                # One batched call answered every query: its wall time counts once per question.
+                answer.latency_s = answered.latency_s if j == 0 else 0.0
+                answer.retrieved_ids = [p.chunk_id for p in passages]
+                answer.observation = format_passages([(p.title, p.text) for p in passages],
+                                                     max_chars=config.passage_chars)
+                steps.append(answer)
+                pairs.append((query, reply.text.strip()))
+                snippets.update(dict.fromkeys(answer.retrieved_ids))
+        context = f"Follow-up queries and their answers:\n{format_query_answers(pairs)}\n\n" if pairs else ""
+        prompt = (f"{context}{format_question(item)}\n\nThink step by step about all the information, briefly. "
+                  f"Then: {answer_instruction(item)}")
+        # The final call sees the query-answer pairs, not the snippets behind them: each pair is shown text.
+        evidence = EvidenceSeen()
+        for query, answer_text in pairs:
+            evidence.add_text(format_query_answers([(query, answer_text)]))
+        reply = yield from answer_call(item, [system(EXPERT), user(prompt)], self.generation, steps)
+        stats = {"follow_up_rounds": config.rounds, "follow_up_queries": len(pairs), "query_snippets": len(snippets)}
+        return finish_result(self.name, item, reply, steps, stats, evidence)

@@ -254,6 +254,13 @@ def answer_cuis(item: QaItem) -> tuple[str, ...] | None:
     return tuple(str(c) for c in value) if value else None
 
 
+def gold_doc_ids(item: QaItem) -> tuple[str, ...] | None:
+    """The corpus documents that hold the item's evidence (PubMedQA: its own abstract, `pubmed:<PMID>`),
+    or None when the item names none."""
+    value = item.extra.get("gold_doc_ids")
+    return tuple(str(d) for d in value) if value else None
+
+
 # --------------------------------------------------------------------------- evidence the answering model saw
 
 
@@ -325,6 +332,15 @@ def evidence_recall(evidence: EvidenceSeen, pairs: Sequence[frozenset[str]] | No
     return pair_recall, answer_recall
 
 
+def gold_doc_recall(evidence: EvidenceSeen, gold_docs: Sequence[str],
+                    doc_of_chunk: Mapping[str, str]) -> float:
+    """1.0 when a chunk of one of the gold documents was among the passages shown to the answering
+    call (a passage cut for the prompt counts: it was retrieved and shown), else 0.0. For a method
+    that shows its top-k passages once (rag), this is recall@k of the gold document."""
+    shown_docs = {doc_of_chunk.get(chunk_id) for chunk_id in evidence.chunks}
+    return float(any(doc in shown_docs for doc in gold_docs))
+
+
 # --------------------------------------------------------------------------- traces and results
 
 
@@ -342,6 +358,12 @@ class Step:
     output: str = ""  # the raw model output ("" for a step without a model call)
     observation: str = ""  # what the tool returned, as the model was shown it
     notes: str = ""
+    # Prompt tokens the model ran (a prefix cache served the others, see Completion); None: prompt_tokens.
+    prompt_tokens_computed: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.prompt_tokens_computed is None:
+            self.prompt_tokens_computed = self.prompt_tokens
 
 
 @dataclass
@@ -362,12 +384,17 @@ class MethodResult:
     extra_answer_call: bool = False  # ... so the model was asked once more for just the answer
     evidence_pair_recall: float | None = None  # set after the run (see `evidence_recall`)
     evidence_answer_recall: float | None = None
+    gold_doc_recall: float | None = None  # a chunk of the question's own document was shown
     # What the answering model was shown; kept out of `as_dict` and the traces (the steps hold it as text).
     evidence: EvidenceSeen = field(default_factory=EvidenceSeen, repr=False)
 
     @property
     def prompt_tokens(self) -> int:
         return sum(s.prompt_tokens for s in self.steps)
+
+    @property
+    def prompt_tokens_computed(self) -> int:
+        return sum(s.prompt_tokens_computed for s in self.steps)
 
     @property
     def completion_tokens(self) -> int:
@@ -386,6 +413,7 @@ class MethodResult:
         return {
             **{k: v for k, v in asdict(self).items() if k != "evidence"},
             "prompt_tokens": self.prompt_tokens,
+            "prompt_tokens_computed": self.prompt_tokens_computed,
             "completion_tokens": self.completion_tokens,
             "latency_s": round(self.latency_s, 4),
             "llm_calls": self.llm_calls,
@@ -397,7 +425,7 @@ def step_from_completion(index: int, action: str, completion: Completion,
     """The trace step of one model call that needs no tool."""
     return Step(index=index, action=action, arguments=arguments or {}, prompt_tokens=completion.prompt_tokens,
                 completion_tokens=completion.completion_tokens, latency_s=completion.latency_s,
-                output=completion.text, notes=notes)
+                output=completion.text, notes=notes, prompt_tokens_computed=completion.prompt_tokens_computed)
 
 
 @dataclass(frozen=True)
@@ -424,7 +452,7 @@ def finish_result(method: str, item: QaItem, reply: str | FinalReply | None, ste
 
 
 TRACE_COLUMNS = ("method", "dataset", "qid", "step", "action", "arguments", "retrieved_ids", "prompt_tokens",
-                 "completion_tokens", "latency_s", "output", "observation", "notes")
+                 "prompt_tokens_computed", "completion_tokens", "latency_s", "output", "observation", "notes")
 
 
 def trace_rows(results: Iterable[MethodResult]) -> list[dict[str, object]]:
@@ -436,7 +464,8 @@ def trace_rows(results: Iterable[MethodResult]) -> list[dict[str, object]]:
                 "method": result.method, "dataset": result.dataset, "qid": result.qid, "step": step.index,
                 "action": step.action, "arguments": json.dumps(step.arguments, ensure_ascii=False, default=str),
                 "retrieved_ids": list(step.retrieved_ids), "prompt_tokens": step.prompt_tokens,
-                "completion_tokens": step.completion_tokens, "latency_s": step.latency_s,
+                "prompt_tokens_computed": step.prompt_tokens_computed, "completion_tokens": step.completion_tokens,
+                "latency_s": step.latency_s,
                 "output": step.output, "observation": step.observation, "notes": step.notes,
             })
     return rows

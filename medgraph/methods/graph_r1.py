@@ -1,23 +1,45 @@
-"""Graph-R1: an agent that explores the knowledge graph with tagged actions (DESIGN.md "The three methods").
+"""Graph-R1: an agent that explores the chunk-entity hypergraph with tagged actions (DESIGN.md "The three methods").
+
+The knowledge hypergraph has two kinds of nodes: KG concepts (CUIs) and text
+chunks of the corpus (`text.corpus_chunks`). Each chunk is a hyperedge over
+the concepts it mentions (`kg.kg_chunk_mentions`), chunks that share a
+concept are linked (`kg.kg_chunk_links`), and the KG's edges stay. Chunks are
+shown to the policy by short references, `T1`, `T2`, ..., numbered per episode
+in the order they first appear in its observations (chunk ids are 32 hex
+digits: costly to copy for a small model). The numbering depends only on the
+episode's own history, so it is the same batched or alone; a raw chunk id is
+accepted too.
 
 The environment is what GRPO rollouts reuse, so it is written for a trainer
 first: `reset(item)` starts an episode, `step_batch([(state, text), ...])`
 applies the policy's replies of many episodes at once (one retriever call per
-action type), and the conversation in `state.messages` is the system prompt,
-the question, then alternating assistant turns (the policy's tokens) and user
-turns holding `<observation>...</observation>` (the environment's, which a
-trainer masks out of the loss). `is_well_formed` is the r_fmt check.
+action type and query kind), and the conversation in `state.messages` is the
+system prompt, the question, then alternating assistant turns (the policy's
+tokens) and user turns holding `<observation>...</observation>` (the
+environment's, which a trainer masks out of the loss). `is_well_formed` is
+the r_fmt check.
 
 A reply is `<think>...</think>` followed by exactly one action tag:
-    <search>words</search>           concepts whose names/texts match (CUI and name)
-    <traverse>CUI</traverse>         the concept's edges and neighbours
-    <analyze>CUI, CUI</analyze>      the concepts' node texts (name, synonyms, definition, relations)
-    <answer>B</answer>               the final answer; the episode ends
-At most `max_steps` (10) replies. Actions can be disabled (ablations); the
-answer action cannot. Any chat model can be the policy: the base model, or a
-trained checkpoint from the registry.
-"""
+    <search>words</search>        concepts whose names/texts match (CUI and name) and text chunks
+                                  (hybrid BM25 + dense, RRF) with a snippet of each
+    <traverse>CUI or T1</traverse>  from a concept: its KG edges and a few chunks that mention it
+                                  (those naming more of its neighbours first); from a chunk: the
+                                  concepts it mentions and its most strongly linked chunks
+    <analyze>CUI, T1</analyze>    the text of chunks (each cut at `analyze_chunk_chars`) and of
+                                  concepts (node texts: name, synonyms, definition, relations)
+    <answer>B</answer>            the final answer; the episode ends
+Text caps are characters, a proxy for tokens: English biomedical prose runs
+at about 4 characters per token in the tokenizers used here, so the default
+2000 characters per analyzed chunk is the seed's 500 tokens; a cut ends at a
+word boundary and is marked " ...". At most `max_steps` (10) replies.
+Actions can be disabled (ablations); the answer action cannot. Any chat model
+can be the policy: the base model, or a trained checkpoint from the registry.
 
+Evidence (`EnvStep.shown`): search snippets and analyzed chunks count as the
+chunk's first N characters shown (evidence recall counts a chunk only where
+both concepts of a gold pair are named within what was shown); traversals
+show triples, listed concepts, and chunk titles as plain text.
+"""
 from __future__ import annotations
 
 import re
@@ -25,20 +47,22 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from medgraph.kg.graph import Triple
+from medgraph.kg.graph import Node, Triple
 from medgraph.kg.qa import QaItem
 from medgraph.llm.base import ChatModel, Completion, GenerationConfig, Message, assistant, system, user
 from medgraph.methods.agent import Episode, Generate, ToolCall, complete_cut_answer
 from medgraph.methods.common import EvidenceSeen, Step, finish_result, format_question
-from medgraph.retrieval import Retriever
+from medgraph.retrieval import Chunk, Retriever
 
 ACTIONS = ("search", "traverse", "analyze", "answer")
 TOOL_ACTIONS = ("search", "traverse", "analyze")
 STOP = ("</search>", "</traverse>", "</analyze>", "</answer>")
 
 _CUI = re.compile(r"\bC\d{7}\b")
+_CHUNK_REF = re.compile(r"\bT(\d+)\b", re.IGNORECASE)  # a chunk's per-episode reference
 _TAG = re.compile(r"<\s*(/?)\s*(think|search|traverse|analyze|answer)\s*>", re.IGNORECASE)
 _THINK_BLOCK = re.compile(r"<\s*think\s*>.*?(?:<\s*/\s*think\s*>|$)", re.IGNORECASE | re.DOTALL)
+_TITLE_CHARS = 80  # a chunk's title as listed by search and traverse
 _WELL_FORMED = re.compile(r"\s*<think>(.*?)</think>\s*<(search|traverse|analyze|answer)>(.*?)</\2>\s*", re.DOTALL)
 
 DEMONSTRATION = (
@@ -47,9 +71,11 @@ DEMONSTRATION = (
 )
 
 _ACTION_HELP = {
-    "search": "<search>words</search> finds concepts matching the words (returns CUI and name)",
-    "traverse": "<traverse>CUI</traverse> lists a concept's relations and neighbouring concepts",
-    "analyze": "<analyze>CUI, CUI</analyze> reads the descriptions of concepts",
+    "search": "<search>words</search> finds concepts (CUI and name) and texts (T1, T2, ... with a snippet) "
+              "matching the words",
+    "traverse": "<traverse>CUI or T1</traverse> lists a concept's relations, neighbouring concepts and texts "
+                "mentioning it; or a text's concepts and related texts",
+    "analyze": "<analyze>CUI, T1</analyze> reads the full texts and the descriptions of concepts",
 }
 
 
@@ -58,9 +84,13 @@ class GraphR1Config:
     max_steps: int = 10
     actions: tuple[str, ...] = TOOL_ACTIONS  # enabled tool actions (answer is always enabled)
     search_k: int = 8  # concepts per search
-    traverse_limit: int = 25  # edges per traverse
+    search_chunks: int = 3  # text chunks per search (0: concepts only)
+    snippet_chars: int = 120  # of each chunk a search lists (~30 tokens)
+    traverse_limit: int = 25  # edges per traverse (and concepts listed from a chunk)
+    traverse_chunks: int = 3  # chunks listed from a concept, linked chunks listed from a chunk
     analyze_max_nodes: int = 3
     analyze_chars: int = 600  # per node text
+    analyze_chunk_chars: int = 2000  # per chunk: ~500 tokens at ~4 characters per token (the seed's cap)
     max_new_tokens: int = 160
     temperature: float = 0.0
     # One worked turn (an example question and a well-formed search) before the question: helps an
@@ -116,11 +146,20 @@ class GraphR1State:
     prompt_turns: int = 2  # messages before the policy's first turn (system, [demonstration], question)
     turns: int = 0
     nodes: set[str] = field(default_factory=set)  # CUIs returned by searches and traversals
+    chunk_refs: dict[str, str] = field(default_factory=dict)  # "T1" -> chunk id, in order of first showing
+    chunk_aliases: dict[str, str] = field(default_factory=dict)  # chunk id -> "T1"
     actions: list[str] = field(default_factory=list)
     well_formed: list[bool] = field(default_factory=list)
     answer: str | None = None  # content of the answer tag
     done: bool = False
     truncated: bool = False  # ended at max_steps without an answer
+
+    def chunk_alias(self, chunk_id: str) -> str:
+        """The chunk's reference in this episode (`T<n>`, numbered in order of first showing)."""
+        if chunk_id not in self.chunk_aliases:
+            alias = f"T{len(self.chunk_refs) + 1}"
+            self.chunk_refs[alias], self.chunk_aliases[chunk_id] = chunk_id, alias
+        return self.chunk_aliases[chunk_id]
 
 
 @dataclass(frozen=True)
@@ -144,8 +183,16 @@ class _Outcome(NamedTuple):
     shown: EvidenceSeen | None = None
 
 
+class _Ref(NamedTuple):
+    """A node an argument names: a concept (CUI) or a chunk (its chunk id)."""
+
+    kind: str  # "concept" | "chunk"
+    id: str
+
+
 class GraphR1Env:
-    """The Graph-R1 environment over the shared retriever (KG concepts, edges and node texts)."""
+    """The Graph-R1 environment over the shared retriever: KG concepts, edges and node texts, and the
+    corpus chunks with their mentions and links."""
 
     def __init__(self, retriever: Retriever, config: GraphR1Config = GraphR1Config()):
         self.retriever = retriever
@@ -157,7 +204,8 @@ class GraphR1Env:
                   if item.options else "<answer>short answer</answer> gives the final answer and stops")
         actions = [_ACTION_HELP[a] for a in TOOL_ACTIONS if a in self.config.actions] + [answer]
         return (
-            "You answer a medical question by exploring a knowledge graph of medical concepts (UMLS).\n"
+            "You answer a medical question by exploring a knowledge graph of medical concepts (UMLS, with CUIs "
+            "like C0020538) and the medical texts that mention them (T1, T2, ...).\n"
             "Each turn, first think inside <think>...</think>, then write exactly one action:\n"
             + "\n".join(f"- {a}" for a in actions)
             + "\nResults come back inside <observation>...</observation>. "
@@ -190,7 +238,7 @@ class GraphR1Env:
                    if p and p[0] == action and action in self.config.actions and p[1]]
             if ids:
                 run = getattr(self, f"_{action}")
-                for i, outcome in zip(ids, run([parsed[i][1] for i in ids])):
+                for i, outcome in zip(ids, run([(moves[i][0], parsed[i][1]) for i in ids]), strict=True):
                     outcomes[i] = outcome
         return [self._record(state, text, action, outcome)
                 for (state, text), action, outcome in zip(moves, parsed, outcomes)]
@@ -221,68 +269,172 @@ class GraphR1Env:
         state.messages.append(user(f"<observation>\n{observation}\n</observation>"))
         return EnvStep(action, argument, observation, False, well_formed, retrieved, shown)
 
-    # -- actions (each over a batch of arguments) ----------------------------------------------------------
-    def _search(self, queries: list[str]) -> list[_Outcome]:
+    # -- actions (each over a batch of (episode, argument)) ---------------------------------------------------
+    def _search(self, moves: list[tuple[GraphR1State, str]]) -> list[_Outcome]:
+        queries = [argument for _, argument in moves]
         found = self.retriever.find_concepts(queries, k=self.config.search_k)
         names = self.retriever.nodes({c for row in found for c in row})
+        hits = self._search_chunks(queries)
+        chunks = self.retriever.chunks([c for row in hits for c in row])
         outcomes = []
-        for cuis in found:
+        for (state, _), cuis, chunk_ids in zip(moves, found, hits, strict=True):
             listed = [cui for cui in cuis if cui in names]
-            lines = [f"{cui} {names[cui].name}" for cui in listed]
             shown = EvidenceSeen(concepts=listed)
-            outcomes.append(_Outcome("\n".join(lines) if lines else "(no matching concepts)", tuple(cuis), shown))
+            concept_lines = [f"{cui} {names[cui].name}" for cui in listed]
+            text_lines = []
+            for chunk_id in (c for c in chunk_ids if c in chunks):
+                snippet, shown_chars = _snippet(chunks[chunk_id], self.config.snippet_chars)
+                text_lines.append(f"{state.chunk_alias(chunk_id)} {snippet}")
+                shown.add_chunks([chunk_id], shown_chars)
+            if not text_lines:
+                text = "\n".join(concept_lines) or "(no matching concepts)"
+            else:
+                text = "Concepts:\n" + ("\n".join(concept_lines) or "(none)") + "\nTexts:\n" + "\n".join(text_lines)
+            outcomes.append(_Outcome(text, tuple(cuis) + tuple(c for c in chunk_ids if c in chunks), shown))
         return outcomes
 
-    def _traverse(self, arguments: list[str]) -> list[_Outcome]:
-        targets = [refs[:1] for refs in self._node_references(arguments)]
-        edges = self.retriever.one_hop(sorted({c for t in targets for c in t}))
+    def _search_chunks(self, queries: list[str]) -> list[list[str]]:
+        """Chunk ids per query (hybrid BM25 + dense); none when chunk search is off or there is no corpus."""
+        if self.config.search_chunks <= 0 or not self.retriever.has_table("text", "corpus_chunks"):
+            return [[] for _ in queries]
+        mode = "hybrid" if self.retriever.encoder is not None else "bm25"
+        return [[c for c, _ in row] for row in self.retriever.search_text(queries, k=self.config.search_chunks, mode=mode)]
+
+    def _traverse(self, moves: list[tuple[GraphR1State, str]]) -> list[_Outcome]:
+        targets = [refs[:1] for refs in self._node_references(moves)]
+        concepts = sorted({t[0].id for t in targets if t and t[0].kind == "concept"})
+        chunk_ids = sorted({t[0].id for t in targets if t and t[0].kind == "chunk"})
         by_source: dict[str, list[Triple]] = {}
-        for triple in edges:
+        for triple in self.retriever.one_hop(concepts):
             by_source.setdefault(triple.src_cui, []).append(triple)
+        neighbours = {cui: {t.dst_cui for t in triples} for cui, triples in by_source.items()}
+        mentioning = self.retriever.chunks_mentioning(concepts, self.config.traverse_chunks, neighbours)
+        in_chunks = self.retriever.chunk_concepts(chunk_ids)
+        linked = self.retriever.linked_chunks(chunk_ids, self.config.traverse_chunks)
+        titled = self.retriever.chunks({c for row in mentioning.values() for c in row}
+                                       | {c for row in linked.values() for c, _ in row} | set(chunk_ids))
+        named = self.retriever.nodes({c for row in in_chunks.values() for c in row[: self.config.traverse_limit]}
+                                     | {c for row in linked.values() for _, shared in row for c in shared[:3]})
         outcomes = []
-        for argument, target in zip(arguments, targets):
+        for (state, argument), target in zip(moves, targets, strict=True):
             if not target:
-                outcomes.append(_Outcome(f"(no concept {argument!r}; use a CUI from a search)"))
-                continue
-            triples = by_source.get(target[0], [])
-            shown = _every_relation_first(triples, self.config.traverse_limit)
-            lines = [f"{t.src_name} ({t.src_cui}) -{t.relation}-> {t.dst_name} ({t.dst_cui})" for t in shown]
-            if len(triples) > len(shown):
-                lines.append(f"({len(triples) - len(shown)} more edges not shown)")
-            text = "\n".join(lines) if lines else f"({target[0]} has no edges)"
-            seen = EvidenceSeen()
-            seen.add_triples(shown)
-            outcomes.append(_Outcome(text, tuple(dict.fromkeys([target[0]] + [t.dst_cui for t in shown])), seen))
+                outcomes.append(_Outcome(f"(no concept or text {argument!r}; use a CUI or T-number from a search)"))
+            elif target[0].kind == "concept":
+                outcomes.append(self._traverse_concept(state, target[0].id, by_source.get(target[0].id, []),
+                                                       mentioning.get(target[0].id, []), titled))
+            else:
+                outcomes.append(self._traverse_chunk(state, target[0].id, in_chunks.get(target[0].id, []),
+                                                     linked.get(target[0].id, []), titled, named))
         return outcomes
 
-    def _analyze(self, arguments: list[str]) -> list[_Outcome]:
-        targets = [refs[: self.config.analyze_max_nodes] for refs in self._node_references(arguments)]
-        texts = self.retriever.node_texts({c for t in targets for c in t})
+    def _traverse_concept(self, state: GraphR1State, cui: str, triples: list[Triple], chunk_ids: list[str],
+                          chunks: dict[str, Chunk]) -> _Outcome:
+        shown = _every_relation_first(triples, self.config.traverse_limit)
+        lines = [f"{t.src_name} ({t.src_cui}) -{t.relation}-> {t.dst_name} ({t.dst_cui})" for t in shown]
+        if len(triples) > len(shown):
+            lines.append(f"({len(triples) - len(shown)} more edges not shown)")
+        if not lines:
+            lines.append(f"({cui} has no edges)")
+        seen = EvidenceSeen()
+        seen.add_triples(shown)
+        listed = [c for c in chunk_ids if c in chunks]
+        if listed:
+            lines.append("Texts mentioning it:")
+            for chunk_id in listed:
+                title = _cut(chunks[chunk_id].title or chunks[chunk_id].text, _TITLE_CHARS)
+                lines.append(f"{state.chunk_alias(chunk_id)} {title}")
+                seen.add_text(title)
+        retrieved = tuple(dict.fromkeys([cui] + [t.dst_cui for t in shown])) + tuple(listed)
+        return _Outcome("\n".join(lines), retrieved, seen)
+
+    def _traverse_chunk(self, state: GraphR1State, chunk_id: str, cuis: list[str],
+                        linked: list[tuple[str, list[str]]], chunks: dict[str, Chunk],
+                        names: dict[str, Node]) -> _Outcome:
+        alias = state.chunk_alias(chunk_id)
+        listed = [c for c in cuis[: self.config.traverse_limit] if c in names]
+        seen = EvidenceSeen(concepts=listed)
+        title = _cut(chunks[chunk_id].title, _TITLE_CHARS) if chunk_id in chunks else ""
+        lines = [f"{alias} {title} mentions:" if title else f"{alias} mentions:"]
+        lines += [f"{names[c].name} ({c})" for c in listed] or ["(no known concepts)"]
+        if len(cuis) > len(listed):
+            lines.append(f"({len(cuis) - len(listed)} more concepts not shown)")
+        others = [(other, shared) for other, shared in linked if other in chunks]
+        if others:
+            lines.append("Related texts:")
+            for other, shared in others:
+                other_title = _cut(chunks[other].title or chunks[other].text, _TITLE_CHARS)
+                common = ", ".join(names[c].name for c in shared[:3] if c in names)
+                lines.append(f"{state.chunk_alias(other)} {other_title}" + (f" (shares {common})" if common else ""))
+                seen.add_text(other_title)
+        return _Outcome("\n".join(lines), (chunk_id, *listed, *(o for o, _ in others)), seen)
+
+    def _analyze(self, moves: list[tuple[GraphR1State, str]]) -> list[_Outcome]:
+        targets = [refs[: self.config.analyze_max_nodes] for refs in self._node_references(moves)]
+        texts = self.retriever.node_texts({r.id for t in targets for r in t if r.kind == "concept"})
+        chunks = self.retriever.chunks([r.id for t in targets for r in t if r.kind == "chunk"])
         outcomes = []
-        for argument, target in zip(arguments, targets):
-            shown = EvidenceSeen(concept_texts={cui: _cut(texts[cui], self.config.analyze_chars)
-                                                for cui in target if cui in texts})
-            lines = [f"{cui}: {text}" for cui, text in shown.concept_texts.items()]
-            outcomes.append(_Outcome("\n".join(lines) if lines else f"(no concept {argument!r}; use a CUI from a search)",
-                                     tuple(target), shown))
+        for (state, argument), target in zip(moves, targets, strict=True):
+            shown, lines, retrieved = EvidenceSeen(), [], []
+            for ref in target:
+                if ref.kind == "concept" and ref.id in texts:
+                    text = _cut(texts[ref.id], self.config.analyze_chars)
+                    shown.add_concept_text(ref.id, text)
+                    lines.append(f"{ref.id}: {text}")
+                elif ref.kind == "chunk" and ref.id in chunks:
+                    chunk = chunks[ref.id]
+                    text, shown_chars = _prefix(chunk.text, self.config.analyze_chunk_chars)
+                    shown.add_chunks([ref.id], shown_chars)
+                    title = _cut(chunk.title, _TITLE_CHARS)
+                    heading = f"{state.chunk_alias(ref.id)} ({title})" if title and not chunk.text.startswith(chunk.title) \
+                        else state.chunk_alias(ref.id)
+                    lines.append(f"{heading}: {text}")
+                else:
+                    continue
+                retrieved.append(ref.id)
+            outcomes.append(_Outcome("\n".join(lines) if lines else
+                                     f"(no concept or text {argument!r}; use a CUI or T-number from a search)",
+                                     tuple(retrieved), shown))
         return outcomes
 
-    def _node_references(self, arguments: list[str]) -> list[list[str]]:
-        """The concepts each argument names, in order: a CUI where a part of it is one, else the concept
-        whose name the part is (exact name first, then BM25/dense)."""
-        parts = [[p.strip() for p in re.split(r"[,;\n]", a) if p.strip()] for a in arguments]
-        written = {c for row in parts for p in row for c in _CUI.findall(p.upper())}
-        known = set(self.retriever.nodes(written))
-        names = sorted({p for row in parts for p in row if not _CUI.search(p.upper())})
-        by_name = dict(zip(names, self.retriever.find_concepts(names, k=1))) if names else {}
-        references = []
-        for row in parts:
-            cuis: list[str] = []
+    def _node_references(self, moves: list[tuple[GraphR1State, str]]) -> list[list[_Ref]]:
+        """The nodes each argument names, in order. Each comma-separated part: the episode's chunk
+        references (T1) in it, else the CUIs in it, else a chunk id, else the concept whose name the
+        part is (exact name first, then BM25/dense). A T-number the episode has shown wins over a
+        concept of that name ("T3" the hormone): its CUI names it unambiguously."""
+        parts = [[p.strip() for p in re.split(r"[,;\n]", argument) if p.strip()] for _, argument in moves]
+        by_part: list[list[list[_Ref]]] = []
+        unresolved: set[str] = set()
+        written: set[str] = set()
+        for (state, _), row in zip(moves, parts, strict=True):
+            resolved = []
             for part in row:
-                found = [c for c in _CUI.findall(part.upper()) if c in known] if _CUI.search(part.upper()) \
-                    else by_name.get(part, [])
-                cuis += [c for c in found if c not in cuis]
-            references.append(cuis)
+                refs = [_Ref("chunk", state.chunk_refs[f"T{n}"]) for n in _CHUNK_REF.findall(part)
+                        if f"T{n}" in state.chunk_refs]
+                if not refs and _CUI.search(part.upper()):
+                    refs = [_Ref("concept", c) for c in _CUI.findall(part.upper())]
+                    written |= {r.id for r in refs}
+                if not refs and part in state.chunk_aliases:
+                    refs = [_Ref("chunk", part)]
+                if not refs:
+                    unresolved.add(part)
+                resolved.append(refs)
+            by_part.append(resolved)
+        known = set(self.retriever.nodes(written))
+        names = sorted(unresolved)
+        corpus_ids = set(self.retriever.chunks(names)) if names and self.retriever.has_table("text", "corpus_chunks") \
+            else set()
+        names = [n for n in names if n not in corpus_ids]
+        by_name = dict(zip(names, self.retriever.find_concepts(names, k=1), strict=True)) if names else {}
+        references = []
+        for row, resolved in zip(parts, by_part, strict=True):
+            refs: list[_Ref] = []
+            for part, found in zip(row, resolved, strict=True):
+                if not found:
+                    found = [_Ref("chunk", part)] if part in corpus_ids else \
+                        [_Ref("concept", c) for c in by_name.get(part, [])]
+                refs += [r for r in found if (r.kind == "chunk" or r.id in known or r.id in by_name.get(part, []))
+                         and r not in refs]
+            references.append(refs)
         return references
 
 
@@ -303,6 +455,28 @@ def _every_relation_first(triples: Sequence[Triple], limit: int) -> list[Triple]
 def _cut(text: str, limit: int) -> str:
     text = " ".join(text.split())
     return text if len(text) <= limit else text[:limit].rsplit(" ", 1)[0] + " ..."
+
+
+def _prefix(text: str, limit: int) -> tuple[str, int | None]:
+    """The text's first `limit` characters, cut at a word boundary and with whitespace collapsed for the
+    prompt, and how many characters of the original that is (None: all of it), for evidence recall."""
+    if len(text) <= limit:
+        return " ".join(text.split()), None
+    cut = text[:limit]
+    if text[limit - 1].isalnum() and text[limit].isalnum():  # mid-word: drop the partial word
+        cut = re.sub(r"\w+$", "", cut) if cut.strip().count(" ") else cut
+    cut = cut.rstrip()
+    return " ".join(cut.split()) + " ...", len(cut)
+
+
+def _snippet(chunk: Chunk, limit: int) -> tuple[str, int | None]:
+    """A search hit as listed: the title (unless the text starts with it) and the text's first `limit`
+    characters; and how many characters of the text were shown."""
+    text, shown_chars = _prefix(chunk.text, limit)
+    title = _cut(chunk.title, _TITLE_CHARS)
+    if title and not " ".join(chunk.text.split()).startswith(title.removesuffix(" ...")):
+        text = f"{title}: {text}"
+    return text, shown_chars
 
 
 class GraphR1:
@@ -331,7 +505,7 @@ class GraphR1:
             steps.append(Step(
                 index=len(steps), action=outcome.action, arguments={"argument": outcome.argument},
                 retrieved_ids=list(outcome.retrieved_ids), prompt_tokens=completion.prompt_tokens,
-                completion_tokens=completion.completion_tokens,
+                prompt_tokens_computed=completion.prompt_tokens_computed, completion_tokens=completion.completion_tokens,
                 latency_s=completion.latency_s + output.latency_s, output=text, observation=outcome.observation or "",
                 notes="" if outcome.well_formed else "ill-formed reply",
             ))
@@ -344,6 +518,6 @@ class GraphR1:
         stats = {
             "turns": state.turns, "out_of_turns": state.truncated, "actions": state.actions,
             "well_formed_turns": sum(state.well_formed), "format_ok": all(state.well_formed),
-            "nodes_seen": len(state.nodes),
+            "nodes_seen": len(state.nodes), "chunks_seen": len(state.chunk_refs),
         }
         return finish_result(self.name, item, reply, steps, stats, seen)

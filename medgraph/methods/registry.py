@@ -10,6 +10,7 @@ was shown (`record_evidence_recall`), which separates retrieval from reading.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -23,14 +24,26 @@ from medgraph.methods.baselines import (
     CotConfig,
     IterativeRag,
     IterativeRagConfig,
+    MedRag,
+    MedRagWithTriples,
     RagConfig,
-    SingleRoundRag,
+    RagKgConfig,
 )
-from medgraph.methods.common import MethodResult, answer_cuis, evidence_recall, gold_pairs
+from medgraph.methods.common import (
+    MethodResult,
+    answer_cuis,
+    evidence_recall,
+    gold_doc_ids,
+    gold_doc_recall,
+    gold_pairs,
+)
 from medgraph.methods.graph_r1 import GraphR1, GraphR1Config
 from medgraph.methods.sema_rag import SemaRag, SemaRagConfig
 from medgraph.methods.tools import KnowledgeTools
 from medgraph.retrieval import Retriever
+from medgraph.text.corpus import documents_in_corpus
+
+log = logging.getLogger(__name__)
 
 
 class Method(Protocol):
@@ -58,10 +71,13 @@ METHODS: dict[str, MethodSpec] = {
                            "SEMA-RAG: I-Agent schema, E-Agent sufficiency loop, A-Agent evidence report"),
     "cot": MethodSpec(CotConfig, lambda tools, llm, config, gt: ChainOfThought(tools, llm, config),
                       "chain of thought, no retrieval"),
-    "rag": MethodSpec(RagConfig, lambda tools, llm, config, gt: SingleRoundRag(tools, llm, config),
-                      "single-round hybrid RAG (BM25 + dense, RRF) with KG triples, MedRAG style"),
+    "rag": MethodSpec(RagConfig, lambda tools, llm, config, gt: MedRag(tools, llm, config),
+                      "MedRAG: text snippets only (BM25 + dense fused by RRF), one answer call"),
+    "rag-kg": MethodSpec(RagKgConfig, lambda tools, llm, config, gt: MedRagWithTriples(tools, llm, config),
+                         "our variant of MedRAG: the same snippets plus the question concepts' KG triples"),
     "irag": MethodSpec(IterativeRagConfig, lambda tools, llm, config, gt: IterativeRag(tools, llm, config),
-                       "fixed-iteration follow-up query RAG, i-MedRAG style"),
+                       "i-MedRAG: rounds of follow-up queries, each answered from its own snippets; "
+                       "the query-answer pairs are the next round's and the final answer's context"),
 }
 
 # Named ablations (DESIGN.md "Evaluation protocol"): a method and the configuration fields it changes.
@@ -133,6 +149,7 @@ def run_method(name: str, items: Sequence[QaItem], retriever: Retriever | Knowle
     for result in results:
         result.method = name
     record_evidence_recall(tools, items, results)
+    record_gold_doc_recall(tools, items, results)
     return results
 
 
@@ -158,3 +175,26 @@ def record_evidence_recall(tools: KnowledgeTools, items: Sequence[QaItem], resul
             pair_recall, answer_recall = evidence_recall(result.evidence, *gold[i], in_chunks + in_texts.get(i, []))
         result.evidence_pair_recall, result.evidence_answer_recall = pair_recall, answer_recall
         result.stats.update(evidence_pair_recall=pair_recall, evidence_answer_recall=answer_recall)
+
+
+def record_gold_doc_recall(tools: KnowledgeTools, items: Sequence[QaItem], results: Sequence[MethodResult]) -> None:
+    """Set each result's `gold_doc_recall` (also in its stats): whether a chunk of the question's own
+    document (`gold_doc_ids`, e.g. its PubMed abstract) was among the passages its answering call was
+    shown. Not measured (None) where the item names no document, or none of its documents is in the
+    corpus (then the stats say `gold_doc_in_corpus: false` and a warning names how many)."""
+    gold = {i: docs for i, item in enumerate(items) if (docs := gold_doc_ids(item))}
+    if not gold:
+        return
+    in_corpus = documents_in_corpus(tools.retriever.graph.con, [d for docs in gold.values() for d in docs])
+    missing = [items[i].qid for i, docs in gold.items() if not in_corpus.intersection(docs)]
+    if missing:
+        log.warning("%d of %d questions have no gold document in text.corpus_chunks (e.g. %s): their gold-doc "
+                    "recall is not measured; add their abstracts to the corpus (corpus_files) to measure it",
+                    len(missing), len(gold), ", ".join(missing[:3]))
+    shown = {c for i in gold for c in results[i].evidence.chunks}
+    doc_of_chunk = {chunk_id: chunk.doc_id for chunk_id, chunk in tools.retriever.chunks(sorted(shown)).items()}
+    for i, docs in gold.items():
+        result = results[i]
+        present = in_corpus.intersection(docs)
+        result.gold_doc_recall = gold_doc_recall(result.evidence, sorted(present), doc_of_chunk) if present else None
+        result.stats.update(gold_doc_recall=result.gold_doc_recall, gold_doc_in_corpus=bool(present))

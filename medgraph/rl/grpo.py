@@ -161,6 +161,7 @@ class GrpoConfig:
 
 # Small observations on the CPU profiles: every observation token is read by every forward pass.
 SMALL_ENV = GraphR1Config(max_steps=5, search_k=4, traverse_limit=6, analyze_max_nodes=1, analyze_chars=120,
+                          search_chunks=2, snippet_chars=80, traverse_chunks=2, analyze_chunk_chars=300,
                           max_new_tokens=48)
 TINY_ENV = replace(SMALL_ENV, max_steps=4, search_k=3, traverse_limit=4, analyze_chars=80)  # 1-hop demos only
 GRPO_PROFILES = {

@@ -9,6 +9,13 @@ that knows each question's gold path and walks it with the real environment:
     <think>... leads to Y.</think><analyze>C0002</analyze>      the answer concept
     <think>Y is option B.</think><answer>B</answer>
 
+Where a chunk holds the gold evidence (it names both concepts of the last gold
+edge within the first `analyze_chunk_chars` characters) and an observation of
+the episode has listed it (a search snippet, or a traversal's "texts
+mentioning it"), the expert reads that chunk instead of the answer concept:
+`<think>... leads to Y; read text T2.</think><analyze>T2</analyze>`, so the
+policy learns to reach text through the hypergraph.
+
 Every observation in a demonstration is what the environment really returned,
 and the expert only uses a concept after an observation has shown it: a
 demonstration whose search misses the entity, or whose hop or answer is not
@@ -88,8 +95,10 @@ class Demonstrations:
 Expert = Generator[str, EnvStep, str | None]  # yields replies, receives what each did; returns why it gave up
 
 
-def _expert(state: GraphR1State, names: dict[str, str], triples: dict[str, Triple]) -> Expert:
-    """One question's expert walk along its gold path; every concept it uses was shown first."""
+def _expert(state: GraphR1State, names: dict[str, str], triples: dict[str, Triple],
+            evidence_chunks: frozenset[str] = frozenset()) -> Expert:
+    """One question's expert walk along its gold path; every concept or chunk it uses was shown first.
+    `evidence_chunks` are the chunks whose analyzed text names both concepts of the last gold edge."""
     item, extra = state.item, state.item.extra
     seeds = list(extra.get("seed_cuis") or ())
     if not seeds or seeds[0] not in names:
@@ -128,7 +137,13 @@ def _expert(state: GraphR1State, names: dict[str, str], triples: dict[str, Tripl
     if answer is None:
         return "answer not shown"
     relation = path[-1].relation.replace("_", " ")
-    yield f"<think>{relation} leads to {names[answer]}; read it.</think><analyze>{answer}</analyze>"
+    # Chunks in the order the episode first showed them: the earliest listed evidence chunk is read.
+    chunk = next((c for c in state.chunk_aliases if c in evidence_chunks), None)
+    if chunk is not None:
+        alias = state.chunk_aliases[chunk]
+        yield f"<think>{relation} leads to {names[answer]}; read text {alias}.</think><analyze>{alias}</analyze>"
+    else:
+        yield f"<think>{relation} leads to {names[answer]}; read it.</think><analyze>{answer}</analyze>"
     if item.options.get(item.answer, "").lower() == "yes":
         yield f"<think>{names[entity]} and {names[answer]} are linked.</think><answer>{item.answer}</answer>"
     elif item.options:
@@ -146,8 +161,9 @@ def expert_demonstrations(env: GraphR1Env, items: Sequence[QaItem]) -> Demonstra
         {e for item in items for e in item.extra.get("gold_path") or ()})}
     cuis |= {c for t in triples.values() for c in (t.src_cui, t.dst_cui)}
     names = {cui: node.name for cui, node in env.retriever.nodes(sorted(cuis)).items()}
+    evidence = _text_evidence(env, items, triples)
     states = [env.reset(item) for item in items]
-    experts = [_expert(state, names, triples) for state in states]
+    experts = [_expert(state, names, triples, chunks) for state, chunks in zip(states, evidence, strict=True)]
     dropped: Counter[str] = Counter()
     moves: dict[int, str] = {}
     for i, expert in enumerate(experts):
@@ -167,6 +183,20 @@ def expert_demonstrations(env: GraphR1Env, items: Sequence[QaItem]) -> Demonstra
         elif state.done:
             dropped["wrong or ill-formed episode"] += 1
     return Demonstrations(kept, dropped)
+
+
+def _text_evidence(env: GraphR1Env, items: Sequence[QaItem], triples: dict[str, Triple]) -> list[frozenset[str]]:
+    """Per item, the chunks that name both concepts of its last gold edge within the characters an
+    analyze shows (one query for all items; none where the item has no path or the text is off)."""
+    pairs = []
+    for item in items:
+        last = triples.get((item.extra.get("gold_path") or [""])[-1])
+        pairs.append((last.src_cui, last.dst_cui) if last is not None else ())
+    if "analyze" not in env.config.actions:
+        return [frozenset() for _ in items]
+    found = env.retriever.chunks_mentioning_all(pairs)
+    return [frozenset(c for c, seen_by in chunks.items() if seen_by <= env.config.analyze_chunk_chars)
+            for chunks in found]
 
 
 def _next_move(i: int, expert: Expert, step: EnvStep | None, moves: dict[int, str], dropped: Counter[str]) -> None:

