@@ -31,13 +31,13 @@ def _cmd_sample_release(args: argparse.Namespace) -> int:
 
 def _cmd_status(args: argparse.Namespace) -> int:
     """Where the platform's state is and what it holds (printed at the end of `make demo`)."""
-    from medgraph.settings import load_settings
+    from medgraph.settings import load_settings, redact_uri
     from medgraph.storage import open_warehouse
 
     settings = load_settings()
     warehouse = open_warehouse(settings)
     print(f"MEDGRAPH_HOME      {settings.home}")
-    print(f"UMLS release       {settings.umls_dir or settings.sample_release_dir} "
+    print(f"UMLS release       {redact_uri(str(settings.umls_dir or settings.sample_release_dir))} "
           f"({'MEDGRAPH_UMLS_DIR' if settings.umls_dir else 'sample, profile ' + settings.profile})")
     print(f"warehouse          {warehouse.path}")
     if not warehouse.path.exists():
@@ -51,8 +51,10 @@ def _cmd_status(args: argparse.Namespace) -> int:
         for schema, table in tables:
             rows = con.execute(f'SELECT count(*) FROM "{schema}"."{table}"').fetchone()[0]
             print(f"  {schema + '.' + table:<40}{rows:>12,} rows")
-    print(f"lake               {settings.lake_location}")
-    print(f"MLflow             {settings.mlflow_tracking_uri}")
+    print(f"lake               {redact_uri(settings.lake_location)}")
+    if settings.s3_endpoint_url:
+        print(f"S3 endpoint        {redact_uri(settings.s3_endpoint_url)}")
+    print(f"MLflow             {redact_uri(settings.mlflow_tracking_uri)}")
     print("Dagster UI         make ui   (then open http://127.0.0.1:3000)")
     return 0
 
@@ -197,18 +199,19 @@ def _cmd_models(args: argparse.Namespace) -> int:
     """Registered models: `list` (every model, its champion and latest version) or `show NAME[@ALIAS|/VERSION]`."""
     from mlflow.exceptions import MlflowException
 
-    from medgraph.settings import load_settings
+    from medgraph.settings import load_settings, redact_uri
     from medgraph.tracking import Tracking
 
     settings = load_settings()
     tracking = Tracking(settings.mlflow_tracking_uri, str(settings.home / "artifacts"))
+    shown_uri = redact_uri(tracking.tracking_uri)
     client = tracking.client
     if args.action == "list":
         models = client.search_registered_models()
         if not models:
-            print(f"no registered models in {tracking.tracking_uri} (run `make demo`)")
+            print(f"no registered models in {shown_uri} (run `make demo`)")
             return 1
-        print(f"{'model':<28} {'champion':>9} {'latest':>7}  tracking URI {tracking.tracking_uri}")
+        print(f"{'model':<28} {'champion':>9} {'latest':>7}  tracking URI {shown_uri}")
         for model in sorted(models, key=lambda m: m.name):
             champion = tracking.champion_version(model.name)
             latest = max((int(v.version) for v in client.search_model_versions(f"name='{model.name}'")), default=0)
@@ -222,7 +225,7 @@ def _cmd_models(args: argparse.Namespace) -> int:
         else:
             found = client.get_model_version_by_alias(name, alias or "champion")
     except MlflowException as error:
-        print(f"{args.model}: not found in {tracking.tracking_uri} ({error})")
+        print(redact_uri(f"{args.model}: not found in {shown_uri} ({error})"))
         return 1
     run = client.get_run(found.run_id)
     print(f"{name} v{found.version}  aliases: {', '.join(found.aliases) or '-'}")
@@ -257,7 +260,7 @@ def _parser() -> argparse.ArgumentParser:
     ask.add_argument("--option", action="append", default=[], metavar='LETTER="TEXT"',
                      help='a multiple-choice option, e.g. --option A="amlodipine" (repeat; none: short answer)')
     ask.add_argument("--method", default="a2rag",
-                     help="a2rag, graph-r1, sema-rag, cot, rag, irag, or a named ablation such as a2rag-no-gsrm "
+                     help="a2rag, graph-r1, sema-rag, cot, rag, rag-kg, irag, or a named ablation such as a2rag-no-gsrm "
                           "(medgraph.methods.ABLATIONS); default: a2rag")
     ask.add_argument("--llm", default=None, help="LLM spec (default: MEDGRAPH_LLM, smollm2-135m-instruct)")
     ask.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",

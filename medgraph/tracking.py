@@ -23,6 +23,8 @@ import mlflow
 from mlflow import MlflowClient
 from mlflow.exceptions import MlflowException
 
+from medgraph.settings import redact_uri
+
 log = logging.getLogger(__name__)
 
 CHAMPION = "champion"
@@ -125,6 +127,11 @@ class Promotion:
         }
 
 
+def redacted_tags(tags: Mapping[str, object] | None) -> dict[str, str]:
+    """MLflow tags with any credentials in URI-like values redacted (tags are shown in the UI and logs)."""
+    return {key: redact_uri(str(value)) for key, value in (tags or {}).items()}
+
+
 @dataclass(frozen=True)
 class Tracking:
     """A tracking server (any MLflow URI) and where new experiments keep their artifacts."""
@@ -161,7 +168,7 @@ class Tracking:
         mlflow.set_tracking_uri(self.tracking_uri)
         mlflow.set_registry_uri(self.tracking_uri)
         with mlflow.start_run(experiment_id=self.experiment_id(asset), run_name=run_name,
-                              tags=dict(tags or {})) as run:
+                              tags=redacted_tags(tags)) as run:
             yield run
 
     def log_torch_model(self, model: object, name: str = "model", code_paths: list[str] | None = None,
@@ -188,7 +195,7 @@ class Tracking:
     def register(self, model_uri: str, name: str, tags: Mapping[str, str] | None = None) -> str:
         """Register a logged model (`runs:/<id>/<path>` or `models:/m-...`) as a new version."""
         mlflow.set_registry_uri(self.tracking_uri)
-        version = mlflow.register_model(model_uri, name, tags=dict(tags or {}))
+        version = mlflow.register_model(model_uri, name, tags=redacted_tags(tags))
         return str(version.version)
 
     def metric_of(self, name: str, version: str, metric: str) -> float:
@@ -249,7 +256,7 @@ class Tracking:
                 "champion_gate.reference": promotion.reference,
                 "champion_gate.baseline": baseline.name if baseline else "none"}
         for key, value in tags.items():
-            client.set_tag(run_id, key, value)
+            client.set_tag(run_id, key, redact_uri(value))
         for metric, (value, _) in compared.items():
             client.log_metric(run_id, f"champion_gate.candidate_{metric}", value)
             if champion is not None and metric in champion:

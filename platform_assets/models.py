@@ -29,7 +29,7 @@ from medgraph.gnn.graph_tokens import (
 from medgraph.gnn.train import FEATURE_TABLE, GatConfig, GatResult, pick_device, train_gat
 from medgraph.methods.tools import KnowledgeTools
 from medgraph.retrieval import Retriever
-from medgraph.settings import load_settings
+from medgraph.settings import load_settings, redact_uri
 from medgraph.tracking import MODEL_NAMES, Baseline, Gate
 from resources import EncoderResource, LlmResource, MlflowResource, WarehouseResource
 
@@ -202,7 +202,8 @@ def hiim_projector(context: dg.AssetExecutionContext, config: ProjectorTrainingC
     store, tracking = warehouse.open(), mlflow_tracking.tracking()
     gat_version = tracking.champion_version(GAT_MODEL_NAME)
     if gat_version is None:
-        raise dg.Failure(f"no {GAT_MODEL_NAME}@champion in {tracking.tracking_uri}: materialize models/gat_model first")
+        raise dg.Failure(f"no {GAT_MODEL_NAME}@champion in {redact_uri(tracking.tracking_uri)}: "
+                         "materialize models/gat_model first")
     gat_uri = f"models:/{GAT_MODEL_NAME}/{gat_version}"  # pinned: the projector only fits this GAT
     chat = llm.load()
     with Retriever(store, encoder.load()) as retriever, mlflow_tracking.start_asset_run(context, PROJECTOR_INPUTS) as run:

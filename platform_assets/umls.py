@@ -30,6 +30,8 @@ def umls_release(context: dg.AssetExecutionContext, release: UmlsReleaseResource
 class IngestConfig(dg.Config):
     quarantine_bad_rows: bool = False
     """Put malformed rows into `umls.<table>_rejects` and count them instead of failing."""
+    check_mrfiles: bool = True
+    """Fail when a file's rows or bytes differ from MRFILES.RRF (off only for an excerpt of a release)."""
 
 
 def _table_asset(layout: RrfLayout) -> dg.AssetsDefinition:
@@ -50,7 +52,9 @@ def _table_asset(layout: RrfLayout) -> dg.AssetsDefinition:
         warehouse: WarehouseResource,
     ) -> dg.MaterializeResult:
         stats = ingest_rrf_file(release.path(), layout, warehouse.open(), release.filters(),
-                                quarantine=config.quarantine_bad_rows)
+                                quarantine=config.quarantine_bad_rows, check_mrfiles=config.check_mrfiles)
+        if not stats.completeness.startswith("verified"):
+            context.log.warning(f"{layout.filename}: completeness {stats.completeness}")
         if stats.rejected:
             context.log.warning(f"{stats.rejected} malformed rows quarantined in umls.{layout.table}_rejects")
         metadata = stats.as_metadata()

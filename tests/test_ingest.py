@@ -167,9 +167,10 @@ def test_srl_filter_uses_mrsab_levels_for_files_without_srl(release_copy: Path, 
 
 def test_real_nlm_rows_parse_with_their_values(umls_fixtures: Path, warehouse: Warehouse):
     no_filters = IngestFilters(languages=None, excluded_suppress=())
-    assert ingest_rrf_file(umls_fixtures, MRCONSO, warehouse, no_filters).rows_out == 3
-    assert ingest_rrf_file(umls_fixtures, MRSTY, warehouse, no_filters).rows_out == 3
-    assert ingest_rrf_file(umls_fixtures, MRDEF, warehouse, no_filters).rows_out == 1
+    # An excerpt: its MRFILES.RRF is the full release's, so the counts are not compared.
+    assert ingest_rrf_file(umls_fixtures, MRCONSO, warehouse, no_filters, check_mrfiles=False).rows_out == 3
+    assert ingest_rrf_file(umls_fixtures, MRSTY, warehouse, no_filters, check_mrfiles=False).rows_out == 3
+    assert ingest_rrf_file(umls_fixtures, MRDEF, warehouse, no_filters, check_mrfiles=False).rows_out == 1
     with warehouse.connect(read_only=True) as con:
         assert con.execute("SELECT STR, SRL, CVF FROM umls.mrconso WHERE AUI = 'A26634265'").fetchone() == (
             "(131)I-Macroaggregated Albumin", 0, 256)

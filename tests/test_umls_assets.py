@@ -81,18 +81,25 @@ def test_materializing_umls_assets_fills_tables_and_passes_checks(medgraph_home:
     assert orphans.metadata["orphan_cuis"].value == expected_orphans
 
 
-def test_identifier_check_fails_on_malformed_cui(medgraph_home: Path, release_copy: Path):
+def test_malformed_cui_is_refused_before_publishing(medgraph_home: Path, release_copy: Path):
+    """The blocking identifier check runs on the staged rows: X123 never becomes part of umls.mrsty."""
     resources = resources_for(medgraph_home, release_copy)
+    selection = [dg.AssetKey(["umls", "mrsty"])]
+    assert dg.materialize([*umls.umls_tables, *umls.umls_checks], resources=resources, selection=selection).success
+    warehouse = resources["warehouse"].open()
+    before = warehouse.count("umls.mrsty")
     path = release_copy / "MRSTY.RRF"
     fields = path.read_text().splitlines()[0].split("|")
     fields[0] = "X123"
     replace_line(path, 1, "|".join(fields))
     result = dg.materialize([*umls.umls_tables, *umls.umls_checks], resources=resources,
-                            selection=[dg.AssetKey(["umls", "mrsty"])], raise_on_error=False)
-    failed = {c.check_name: c for c in result.get_asset_check_evaluations() if not c.passed}
-    assert set(failed) == {"identifiers_well_formed"}
-    assert failed["identifiers_well_formed"].metadata["bad_CUI"].value == 1
-    assert failed["identifiers_well_formed"].metadata["example_bad_CUI"].value == "X123"
+                            selection=selection, raise_on_error=False)
+    assert not result.success
+    assert ("MRSTY.RRF: not published, the staged rows fail blocking checks (identifiers_well_formed: "
+            "1 malformed identifiers, example_bad_CUI 'X123'); umls.mrsty is unchanged") in str(result.all_events)
+    assert warehouse.count("umls.mrsty") == before
+    with warehouse.connect(read_only=True) as con:
+        assert con.execute("SELECT count(*) FROM umls.mrsty WHERE CUI = 'X123'").fetchone()[0] == 0
 
 
 def test_failed_materialization_leaves_previous_table(medgraph_home: Path, release_copy: Path):

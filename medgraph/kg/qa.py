@@ -1166,14 +1166,28 @@ def write_mirage(path: str | Path, items: Sequence[QaItem]) -> Path:
     return Path(path)
 
 
+def _read_json_file(path: Path) -> object:
+    """JSON from `path`; bytes that are not UTF-8 and syntax errors (a truncated file) name the file and line."""
+    raw = path.read_bytes()
+    try:
+        text = raw.decode("utf-8-sig")
+    except UnicodeDecodeError as error:
+        line = raw.count(b"\n", 0, error.start) + 1
+        raise ValueError(f"{path}:{line}: not UTF-8 (byte {raw[error.start]:#04x}); a MIRAGE file is UTF-8 JSON") from None
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{path}:{error.lineno}: not valid JSON ({error.msg} at column {error.colno}"
+                         f"{'; the file is truncated' if error.pos >= len(text.rstrip()) else ''})") from None
+
+
 def load_mirage(path: str | Path, datasets: Iterable[str] | None = None) -> list[QaItem]:
     """Read `{dataset: {qid: {question, options, answer, ...}}}` into QaItems, in file order.
 
     `datasets` selects some of the file's datasets; naming one it lacks is an error.
     """
     path = Path(path)
-    with open(path, encoding="utf-8") as handle:
-        data = json.load(handle)
+    data = _read_json_file(path)
     if not isinstance(data, dict):
         raise TypeError(f"{path}: expected an object of datasets, found {type(data).__name__}")
     wanted = list(data) if datasets is None else list(datasets)
@@ -1182,10 +1196,22 @@ def load_mirage(path: str | Path, datasets: Iterable[str] | None = None) -> list
         raise ValueError(f"{path}: no dataset(s) {missing}; the file has {sorted(data)}")
     items = []
     for dataset in wanted:
+        if not isinstance(data[dataset], dict):
+            raise TypeError(f"{path}: dataset {dataset!r}: expected an object of question id -> item, "
+                             f"found {type(data[dataset]).__name__}")
         for qid, entry in data[dataset].items():
-            options = {str(k): str(v) for k, v in (entry.get("options") or {}).items()}
-            if "question" not in entry or "answer" not in entry:
-                raise ValueError(f"{path}: {dataset}/{qid} lacks a question or an answer")
+            # Every malformed shape names the file and the question (MIRAGE items: question, options, answer).
+            if not isinstance(entry, dict):
+                raise TypeError(f"{path}: {dataset}/{qid}: expected an object with question, options and answer, "
+                                 f"found {type(entry).__name__}")
+            lacking = [key for key in ("question", "options", "answer") if key not in entry]
+            if lacking:
+                raise ValueError(f"{path}: {dataset}/{qid} lacks {', '.join(lacking)} "
+                                 f"(a MIRAGE item has question, options and answer; options may be {{}})")
+            if not isinstance(entry["options"], dict):
+                raise TypeError(f"{path}: {dataset}/{qid}: options must be an object of letter -> text, "
+                                 f"found {type(entry['options']).__name__}")
+            options = {str(k): str(v) for k, v in entry["options"].items()}
             answer = str(entry["answer"])
             if options and answer not in options:
                 raise ValueError(f"{path}: {dataset}/{qid} answer {answer!r} is not one of {sorted(options)}")

@@ -35,6 +35,7 @@ import mlflow
 
 from medgraph.llm.base import ChatModel, GenerationConfig, Message
 from medgraph.llm.hf import TransformersChatModel
+from medgraph.settings import redact_uri
 from medgraph.tracking import MODEL_NAMES, Baseline, Gate, Tracking
 
 log = logging.getLogger(__name__)
@@ -174,7 +175,7 @@ def choose_policy(method: str, tracking_uri: str | None = None, home: Path | Non
         if version is not None:
             return PolicyChoice(method, source, f"models:/{name}/{version}", f"{name} v{version} ({role})")
     wanted = " or ".join(f"{_REGISTERED[s][0]}@champion" for s in preference)
-    return PolicyChoice(method, None, None, f"skipped: no {wanted} in {uri}")
+    return PolicyChoice(method, None, None, f"skipped: no {wanted} in {redact_uri(uri)}")
 
 
 def load_chosen_policy(choice: PolicyChoice, tracking_uri: str | None = None,

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import duckdb
+
 from medgraph.storage import Warehouse
 from medgraph.umls.schema import AUI_PATTERN, CUI_PATTERN, TUI_PATTERN, RrfLayout
 
@@ -35,7 +37,12 @@ def _table(layout: RrfLayout) -> str:
 def check_columns(warehouse: Warehouse, layout: RrfLayout) -> CheckOutcome:
     """The table has exactly the layout's columns, in order."""
     with warehouse.connect(read_only=True) as con:
-        columns = [row[0] for row in con.execute(f"DESCRIBE {_table(layout)}").fetchall()]
+        return columns_outcome(con, layout, _table(layout))
+
+
+def columns_outcome(con: duckdb.DuckDBPyConnection, layout: RrfLayout, relation: str) -> CheckOutcome:
+    """`check_columns` on any relation (a table, or `read_parquet(...)` of a staged file)."""
+    columns = [row[0] for row in con.execute(f"DESCRIBE SELECT * FROM {relation}").fetchall()]
     expected = list(layout.columns)
     return CheckOutcome(
         columns == expected,
@@ -48,6 +55,12 @@ def check_columns(warehouse: Warehouse, layout: RrfLayout) -> CheckOutcome:
 
 def check_identifier_formats(warehouse: Warehouse, layout: RrfLayout) -> CheckOutcome:
     """Every non-empty identifier matches its UMLS format (C0000000, A00000000, T000)."""
+    with warehouse.connect(read_only=True) as con:
+        return identifiers_outcome(con, layout, _table(layout))
+
+
+def identifiers_outcome(con: duckdb.DuckDBPyConnection, layout: RrfLayout, relation: str) -> CheckOutcome:
+    """`check_identifier_formats` on any relation."""
     patterns = IDENTIFIER_COLUMNS.get(layout.name, {})
     if not patterns:
         return CheckOutcome(True, "no identifier columns")
@@ -55,15 +68,14 @@ def check_identifier_formats(warehouse: Warehouse, layout: RrfLayout) -> CheckOu
         f"count(*) FILTER (WHERE {col} IS NOT NULL AND NOT regexp_full_match({col}, '{pattern}'))"
         for col, pattern in patterns.items()
     )
-    with warehouse.connect(read_only=True) as con:
-        bad = con.execute(f"SELECT {counts} FROM {_table(layout)}").fetchone()
-        examples = {}
-        for (col, pattern), n in zip(patterns.items(), bad):
-            if n:
-                examples[f"example_bad_{col}"] = con.execute(
-                    f"SELECT {col} FROM {_table(layout)} WHERE {col} IS NOT NULL "
-                    f"AND NOT regexp_full_match({col}, '{pattern}') LIMIT 1"
-                ).fetchone()[0]
+    bad = con.execute(f"SELECT {counts} FROM {relation}").fetchone()
+    examples = {}
+    for (col, pattern), n in zip(patterns.items(), bad):
+        if n:
+            examples[f"example_bad_{col}"] = con.execute(
+                f"SELECT {col} FROM {relation} WHERE {col} IS NOT NULL "
+                f"AND NOT regexp_full_match({col}, '{pattern}') LIMIT 1"
+            ).fetchone()[0]
     metadata: dict[str, object] = {f"bad_{col}": n for col, n in zip(patterns, bad)}
     metadata.update(examples)
     total = sum(bad)
@@ -73,6 +85,15 @@ def check_identifier_formats(warehouse: Warehouse, layout: RrfLayout) -> CheckOu
 def check_not_empty(warehouse: Warehouse, layout: RrfLayout) -> CheckOutcome:
     rows = warehouse.count(_table(layout))
     return CheckOutcome(rows > 0, f"{rows} rows", {"rows": rows})
+
+
+def staged_outcomes(con: duckdb.DuckDBPyConnection, layout: RrfLayout, relation: str) -> dict[str, CheckOutcome]:
+    """The blocking checks (columns_match_layout, identifiers_well_formed, not_empty) on staged rows, so that
+    ingestion can refuse to publish what the asset checks would fail afterwards."""
+    rows = con.execute(f"SELECT count(*) FROM {relation}").fetchone()[0]
+    return {"columns_match_layout": columns_outcome(con, layout, relation),
+            "identifiers_well_formed": identifiers_outcome(con, layout, relation),
+            "not_empty": CheckOutcome(rows > 0, f"{rows} rows", {"rows": rows})}
 
 
 def check_relation_orphans(warehouse: Warehouse) -> CheckOutcome:

@@ -19,6 +19,8 @@ import duckdb
 
 from medgraph.s3 import S3Lake
 from medgraph.storage import Lake, Warehouse, quote_ident, sql_literal
+from medgraph.umls import checks
+from medgraph.umls.completeness import verify_source
 from medgraph.umls.filters import IngestFilters
 from medgraph.umls.release import RrfSource, rrf_source
 from medgraph.umls.schema import INTEGER_COLUMNS, MRSAB, RrfLayout
@@ -31,6 +33,10 @@ SCHEMA = "umls"
 # RRF text these cut ~18% of it for files of the same size (zstd still sees the repeats).
 _PARQUET_OPTIONS = "COMPRESSION zstd, COMPRESSION_LEVEL 1, DICTIONARY_SIZE_LIMIT 0, ROW_GROUP_SIZE 122880"
 _TRAILING = "_trailing"  # the empty field after the last `|`; non-empty means a malformed row
+
+
+class StagedCheckError(ValueError):
+    """The staged rows of a file fail a blocking check; nothing was published."""
 
 
 class RrfFormatError(ValueError):
@@ -65,6 +71,7 @@ class IngestStats:
     seconds: float
     parquet_path: str
     filters: dict[str, str] = field(default_factory=dict)
+    completeness: str = "not checked"  # against MRFILES.RRF: "verified ..." or "not verified: ..."
 
     def as_metadata(self) -> dict[str, object]:
         metadata: dict[str, object] = {
@@ -78,6 +85,7 @@ class IngestStats:
             "rows_per_second": round(self.rows_in / self.seconds) if self.seconds > 0 else 0,
             "parquet_path": self.parquet_path,
             "source_files": ", ".join(self.files),
+            "release_completeness": self.completeness,
         }
         metadata.update({f"rows_kept_after_{name}": kept for name, kept in self.kept_after.items()})
         metadata.update({f"filter_{name}": value for name, value in self.filters.items()})
@@ -167,6 +175,7 @@ def ingest_rrf_file(
     warehouse: Warehouse,
     filters: IngestFilters = IngestFilters(),
     quarantine: bool = False,
+    check_mrfiles: bool = True,
 ) -> IngestStats:
     """Ingest one META file into `lake/umls/<table>.parquet` and the view `umls.<table>`.
 
@@ -174,10 +183,17 @@ def ingest_rrf_file(
     unless `quarantine` is set: then malformed rows go to `umls.<table>_rejects`
     and are counted. Either way the previous good table stays until the new one
     is complete.
+
+    First the files are read once (medgraph.umls.completeness): a truncated `.gz`, a gap in split
+    parts or non-UTF-8 bytes fail, and so do rows or bytes other than MRFILES.RRF declares, unless
+    `check_mrfiles` is off (an excerpt of a release that kept the original MRFILES.RRF).
     """
     started = time.perf_counter()
     layout = rrf if isinstance(rrf, RrfLayout) else layout_named(rrf)
     source = rrf_source(release_dir, layout)
+    # Before parsing: a truncated .gz, a missing split part, non-UTF-8 bytes or a file that is not
+    # what MRFILES.RRF declares fails here, in one read, rather than being ingested as fewer rows.
+    completeness = verify_source(release_dir, source, check_mrfiles)
     if filters.max_srl is not None and "SRL" not in layout.columns and not filters.restricted_sabs:
         filters = IngestFilters(**{**filters.__dict__, "restricted_sabs": restricted_sabs(release_dir, filters.max_srl)})
     predicates = filters.predicates(layout)
@@ -217,6 +233,9 @@ def ingest_rrf_file(
             ).fetchall()[0][0]
             if written != expected_out:
                 raise RuntimeError(f"{layout.filename}: wrote {written} rows, validation pass kept {expected_out}")
+            # The blocking checks run on the staged file, before it replaces anything (an empty MRREL or
+            # malformed CUIs never become the table; the previous one stays).
+            _refuse_failing_stage(con, layout, staging)
             if quarantine:
                 _publish_rejects(con, lake, warehouse, layout, rejected)
             final = lake.publish(staging, SCHEMA, layout.table)
@@ -236,9 +255,22 @@ def ingest_rrf_file(
         seconds=time.perf_counter() - started,
         parquet_path=str(final),
         filters=filters.as_metadata(),
+        completeness=completeness.describe(),
     )
     log.info("%s: %d rows in, %d kept, %d rejected in %.1fs", layout.filename, rows_in, written, len(rejected), stats.seconds)
     return stats
+
+
+def _refuse_failing_stage(con: duckdb.DuckDBPyConnection, layout: RrfLayout, staging: Path | str) -> None:
+    outcomes = checks.staged_outcomes(con, layout, f"read_parquet({sql_literal(str(staging))})")
+    failed = {name: outcome for name, outcome in outcomes.items() if not outcome.passed}
+    if failed:
+        details = "; ".join(
+            f"{name}: {outcome.description}"
+            + "".join(f", {key} {value!r}" for key, value in outcome.metadata.items() if key.startswith("example_"))
+            for name, outcome in failed.items())
+        raise StagedCheckError(f"{layout.filename}: not published, the staged rows fail blocking checks ({details}); "
+                               f"umls.{layout.table} is unchanged")
 
 
 def _publish_rejects(con: duckdb.DuckDBPyConnection, lake: Lake | S3Lake, warehouse: Warehouse,

@@ -1,0 +1,137 @@
+"""Is a release file complete? Split parts contiguous, gzip intact, text UTF-8, rows and bytes as MRFILES says.
+
+One streaming pass over the physical files of an RRF source, before DuckDB parses anything: a truncated
+`.gz` (DuckDB reads it silently as fewer rows), a missing split part or a file cut short fails here in
+seconds, naming the file and both numbers, instead of being ingested as a smaller release.
+`MRFILES.RRF` (FIL|DES|FMT|CLS|RWS|BTS|) declares each file's rows and uncompressed bytes; a release
+without it is read as it is, and the ingestion metadata says its completeness could not be verified.
+"""
+
+from __future__ import annotations
+
+import codecs
+import gzip
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+
+from medgraph.umls.release import RrfSource
+
+MRFILES_NAME = "MRFILES.RRF"
+_CHUNK = 8 << 20
+
+
+class ReleaseIncompleteError(ValueError):
+    """A release file that is truncated, corrupt, missing a part or not what MRFILES.RRF declares."""
+
+
+@dataclass(frozen=True)
+class Declared:
+    rows: int
+    bytes: int
+
+
+@dataclass(frozen=True)
+class Completeness:
+    """What the pass found for one RRF file, and whether MRFILES.RRF vouched for it."""
+
+    filename: str
+    rows: int
+    bytes: int
+    declared: Declared | None
+
+    @property
+    def verified(self) -> bool:
+        return self.declared is not None
+
+    def describe(self) -> str:
+        if self.declared is None:
+            return (f"not verified: no {MRFILES_NAME} entry for {self.filename} was compared "
+                    f"({self.rows} rows, {self.bytes} bytes read; gzip and split parts checked)")
+        return f"verified against {MRFILES_NAME}: {self.rows} rows, {self.bytes} bytes"
+
+
+def read_mrfiles(release_dir: str | Path) -> dict[str, Declared] | None:
+    """`{FIL: Declared(RWS, BTS)}` from the release's MRFILES.RRF, or None when it has none."""
+    path = Path(release_dir) / MRFILES_NAME
+    if not path.is_file():
+        return None
+    declared: dict[str, Declared] = {}
+    with open(path, encoding="utf-8") as handle:
+        for number, line in enumerate(handle, start=1):
+            fields = line.rstrip("\n").split("|")
+            if not line.strip():
+                continue
+            if len(fields) < 6 or not fields[4].isdigit() or not fields[5].isdigit():
+                raise ReleaseIncompleteError(f"{path}:{number}: expected FIL|DES|FMT|CLS|RWS|BTS| with integer "
+                                             f"RWS and BTS, found {line.rstrip()!r}")
+            declared[fields[0]] = Declared(int(fields[4]), int(fields[5]))
+    return declared
+
+
+def check_split_parts(source: RrfSource) -> None:
+    """Split parts must run `.aa`, `.ab`, `.ac`, ... without a gap (a missing middle part loses rows)."""
+    filename = source.layout.filename
+    suffixes = [p.name[len(filename):] for p in source.paths]
+    if suffixes in ([""], [".gz"]):
+        return  # the plain file or its .gz, not parts
+    letters = [suffix[1:3] for suffix in suffixes]
+    for index, found in enumerate(letters):
+        expected = chr(ord("a") + index // 26) + chr(ord("a") + index % 26)
+        if found != expected:
+            raise ReleaseIncompleteError(
+                f"{filename}: split part {filename}.{expected} is missing (found "
+                f"{', '.join(p.name for p in source.paths)}): the parts must run .aa, .ab, ... without a gap")
+
+
+def scan_source(source: RrfSource) -> tuple[int, int]:
+    """(rows, uncompressed bytes) of a source's files read end to end, decompressing `.gz` parts.
+
+    Fails on a truncated or corrupt gzip archive, and on bytes that are not UTF-8 (with file:line).
+    """
+    rows = total = 0
+    for path in source.paths:
+        decoder = codecs.getincrementaldecoder("utf-8")()
+        line = 1
+        last = b"\n"
+        opener = gzip.open if path.name.endswith(".gz") else open
+        try:
+            with opener(path, "rb") as handle:
+                while chunk := handle.read(_CHUNK):
+                    try:
+                        if not chunk.isascii() or decoder.getstate()[0]:  # ASCII needs no decoding
+                            decoder.decode(chunk)
+                    except UnicodeDecodeError as error:
+                        at = line + chunk.count(b"\n", 0, max(error.start, 0))
+                        bad = chunk[max(error.start, 0): max(error.start, 0) + 4]
+                        raise ReleaseIncompleteError(f"{path}:{at}: not UTF-8 (bytes {bad.hex(' ')}); RRF files "
+                                                     f"are UTF-8: re-extract the release or convert the file") from None
+                    newlines = chunk.count(b"\n")
+                    line += newlines
+                    rows += newlines
+                    total += len(chunk)
+                    last = chunk[-1:]
+                decoder.decode(b"", final=True)
+        except UnicodeDecodeError:
+            raise ReleaseIncompleteError(f"{path}:{line}: not UTF-8 (the file ends inside a character)") from None
+        except (EOFError, gzip.BadGzipFile, zlib.error) as error:
+            raise ReleaseIncompleteError(f"{path}: corrupt or truncated gzip archive ({error}); "
+                                         f"`gzip -t {path.name}` confirms it") from None
+        if last != b"\n":
+            rows += 1  # a last row without its newline still counts
+    return rows, total
+
+
+def verify_source(release_dir: str | Path, source: RrfSource, check_mrfiles: bool = True) -> Completeness:
+    """Check one RRF file's parts and archive, and compare its rows and bytes with MRFILES.RRF when present
+    (and `check_mrfiles`)."""
+    check_split_parts(source)
+    rows, size = scan_source(source)
+    declared_all = read_mrfiles(release_dir) if check_mrfiles else None
+    declared = None if declared_all is None else declared_all.get(source.layout.filename)
+    if declared is not None and (declared.rows, declared.bytes) != (rows, size):
+        files = ", ".join(p.name for p in source.paths)
+        raise ReleaseIncompleteError(
+            f"{source.layout.filename} is incomplete: {MRFILES_NAME} declares {declared.rows} rows and "
+            f"{declared.bytes} bytes, the release has {rows} rows and {size} bytes (read from {files})")
+    return Completeness(source.layout.filename, rows, size, declared)

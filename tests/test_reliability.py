@@ -1,0 +1,290 @@
+"""Issue 17 faults, each reproduced: bad benchmarks, path traversal, credentials in URIs, malformed input."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import dagster as dg
+import pytest
+from conftest import REPO_ROOT
+
+from medgraph.eval.benchmarks import (
+    KG_DATASETS,
+    MIRAGE_DATASETS,
+    BenchmarkFormatError,
+    check_dataset_name,
+    dataset_names,
+    load_benchmark,
+    partition_names,
+)
+from platform_assets.evaluation import qa_benchmark
+from resources import WarehouseResource
+
+MC_ITEM = {"question": "Which?", "options": {"A": "x", "B": "y"}, "answer": "A"}
+
+
+# Fault 4: one bad benchmark file broke every asset (dataset_names ran while the definitions loaded).
+
+def test_definitions_load_when_the_benchmark_file_is_missing(tmp_path: Path):
+    env = {**os.environ, "MEDGRAPH_HOME": str(tmp_path / "home"),
+           "MEDGRAPH_BENCHMARK": f"mirage:{tmp_path / 'missing.json'}"}
+    script = ("import json, dagster as dg, definitions\n"
+              "graph = definitions.defs.resolve_asset_graph()\n"
+              "node = graph.get(dg.AssetKey(['eval', 'qa_benchmark']))\n"
+              "print(json.dumps({'mrsab': graph.has(dg.AssetKey(['umls', 'mrsab'])),\n"
+              "                  'partitions': node.partitions_def.get_partition_keys()}))\n")
+    proc = subprocess.run([sys.executable, "-c", script], check=False, cwd=REPO_ROOT, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    loaded = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert loaded == {"mrsab": True, "partitions": sorted(MIRAGE_DATASETS)}
+
+
+def test_partition_names_fall_back_to_declared_names(tmp_path: Path):
+    missing = tmp_path / "missing.json"
+    with pytest.raises(FileNotFoundError):
+        dataset_names(f"mirage:{missing}", tmp_path)
+    assert partition_names(f"mirage:{missing}", tmp_path) == sorted(MIRAGE_DATASETS)
+    assert partition_names(f"mirage:{missing}#medqa+bioasq,kg", tmp_path) == sorted(["medqa", "bioasq", *KG_DATASETS])
+    assert partition_names("nonsense:spec", tmp_path) == list(KG_DATASETS)
+    assert partition_names("", tmp_path) == list(KG_DATASETS)
+
+
+def test_a_missing_benchmark_file_fails_inside_qa_benchmark(tmp_path: Path):
+    missing = tmp_path / "missing.json"
+    result = dg.materialize([qa_benchmark], resources={"warehouse": WarehouseResource(home=str(tmp_path / "home"))},
+                            partition_key=KG_DATASETS[0], raise_on_error=False,
+                            run_config=dg.RunConfig(ops={"eval__qa_benchmark": {"config": {"spec": f"mirage:{missing}"}}}))
+    assert not result.success
+    (failure,) = [e for e in result.all_events if e.is_step_failure]
+    assert f"benchmark file {missing} does not exist" in failure.step_failure_data.error.to_string()
+
+
+# Fault 5: a MIRAGE dataset key `../../x` made eval/qa_benchmark write outside $MEDGRAPH_HOME.
+
+@pytest.mark.parametrize("name", ["../../../../somewhere/x", "a/b", "..", ".", "", "a\\b", "name with space"])
+def test_unsafe_dataset_names_are_rejected(name: str):
+    with pytest.raises(BenchmarkFormatError, match="is not allowed"):
+        check_dataset_name(name, "somewhere")
+
+
+def test_mirage_dataset_key_cannot_escape_the_home(tmp_path: Path):
+    bench = tmp_path / "bench.json"
+    bench.write_text(json.dumps({"../../../../escaped/x": {"q1": MC_ITEM}, KG_DATASETS[0]: {"q1": MC_ITEM}}))
+    with pytest.raises(BenchmarkFormatError, match=r"dataset name '\.\./\.\./\.\./\.\./escaped/x' is not allowed"):
+        load_benchmark(f"mirage:{bench}", tmp_path)
+    with pytest.raises(BenchmarkFormatError, match="is not allowed"):
+        dataset_names(f"mirage:{bench}", tmp_path)
+    lines = tmp_path / "lines.jsonl"
+    lines.write_text(json.dumps(MC_ITEM) + "\n")
+    with pytest.raises(BenchmarkFormatError, match="is not allowed"):
+        load_benchmark(f"jsonl:{lines}#../x", tmp_path)
+    assert partition_names(f"mirage:{bench}", tmp_path) == sorted(MIRAGE_DATASETS)
+
+    home = tmp_path / "a" / "b" / "home"
+    result = dg.materialize([qa_benchmark], resources={"warehouse": WarehouseResource(home=str(home))},
+                            partition_key=KG_DATASETS[0], raise_on_error=False,
+                            run_config=dg.RunConfig(ops={"eval__qa_benchmark": {"config": {"spec": f"mirage:{bench}"}}}))
+    assert not result.success
+    assert not list(tmp_path.rglob("x.json"))
+    assert not (home / "eval" / "benchmark" / f"{KG_DATASETS[0]}.json").exists()
+
+
+# Fault 8: credentials in URIs were printed (`medgraph status`, which `make demo` runs at the end) and tagged.
+
+@pytest.mark.parametrize(("uri", "shown"), [
+    ("http://admin:pw@host:5000", "http://admin:***@host:5000"),
+    ("https://TOKEN@example.org/v1", "https://***@example.org/v1"),
+    ("postgresql://mlflow:p@ss:w@db:5432/mlflow?sslmode=require&password=pw2",
+     "postgresql://mlflow:***@db:5432/mlflow?sslmode=require&password=***"),
+    ("https://bucket.s3.amazonaws.com/k?X-Amz-Credential=AKIA&X-Amz-Signature=abc&x=1",
+     "https://bucket.s3.amazonaws.com/k?X-Amz-Credential=***&X-Amz-Signature=***&x=1"),
+    ("openai:qwen@http://user:key@gpu:8000/v1", "openai:qwen@http://user:***@gpu:8000/v1"),
+    ("sqlite:////home/me/mlflow.db", "sqlite:////home/me/mlflow.db"),
+    ("s3://bucket/prefix", "s3://bucket/prefix"),
+    ("write to me@example.org", "write to me@example.org"),
+])
+def test_redact_uri(uri: str, shown: str):
+    from medgraph.settings import redact_uri
+
+    assert redact_uri(uri) == shown
+
+
+def test_status_does_not_print_credentials(medgraph_home: Path, monkeypatch: pytest.MonkeyPatch,
+                                           capsys: pytest.CaptureFixture):
+    import duckdb
+
+    from medgraph.cli import main
+
+    medgraph_home.mkdir(parents=True)
+    duckdb.connect(str(medgraph_home / "warehouse.duckdb")).close()
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://admin:s3cr3t-pw@mlflow.internal:5000")
+    monkeypatch.setenv("MEDGRAPH_S3_ENDPOINT_URL", "http://minio:m1n10-key@minio.internal:9000")
+    assert main(["status"]) == 0
+    out = capsys.readouterr().out
+    assert "s3cr3t-pw" not in out and "m1n10-key" not in out
+    assert "MLflow             http://admin:***@mlflow.internal:5000" in out
+    assert "S3 endpoint        http://minio:***@minio.internal:9000" in out
+
+
+def test_mlflow_tags_do_not_hold_credentials(mlflow_db: Path, tmp_path: Path):
+    from medgraph.tracking import Tracking
+
+    tracking = Tracking(f"sqlite:///{mlflow_db}", str(tmp_path / "artifacts"))
+    with tracking.start_run("asset", tags={"llm": "openai:m@http://u:hunter2@llm:8000/v1", "plain": "x"}) as run:
+        run_id = run.info.run_id
+    tags = tracking.client.get_run(run_id).data.tags
+    assert tags["llm"] == "openai:m@http://u:***@llm:8000/v1" and tags["plain"] == "x"
+
+
+# Fault 1: incomplete releases were ingested as success (truncated .gz, a missing split part, no MRFILES check).
+# Fault 9 (encoding): non-UTF-8 bytes surfaced as "wrote N rows, validation pass kept N+1".
+
+@pytest.fixture
+def sample_copy(tiny_release: Path, tmp_path: Path) -> Path:
+    """A writable copy of the embedded sample release, whose MRFILES.RRF lists every file's rows and bytes."""
+    import shutil
+
+    return Path(shutil.copytree(tiny_release, tmp_path / "release"))
+
+
+def test_sample_release_is_verified_against_mrfiles(sample_copy: Path, warehouse):
+    from medgraph.umls.ingest import ingest_rrf_file
+
+    stats = ingest_rrf_file(sample_copy, "MRREL", warehouse)
+    data = (sample_copy / "MRREL.RRF").read_bytes()
+    rows = len(data.splitlines())
+    assert stats.as_metadata()["release_completeness"] == f"verified against MRFILES.RRF: {rows} rows, {len(data)} bytes"
+
+
+def test_release_without_mrfiles_says_completeness_was_not_verified(release_copy: Path, warehouse):
+    from medgraph.umls.ingest import ingest_rrf_file
+
+    assert not (release_copy / "MRFILES.RRF").exists()
+    completeness = ingest_rrf_file(release_copy, "MRSAB", warehouse).as_metadata()["release_completeness"]
+    assert completeness.startswith("not verified: no MRFILES.RRF entry for MRSAB.RRF was compared")
+
+
+def test_truncated_gzip_fails_before_parsing(sample_copy: Path, warehouse):
+    import gzip
+    import zlib
+
+    from medgraph.umls.completeness import ReleaseIncompleteError
+    from medgraph.umls.ingest import ingest_rrf_file
+
+    plain = sample_copy / "MRREL.RRF"
+    lines = plain.read_bytes().splitlines(keepends=True)
+    compressor = zlib.compressobj(6, zlib.DEFLATED, 31)  # a gzip stream cut at a line boundary, no trailer
+    cut = compressor.compress(b"".join(lines[: len(lines) // 2])) + compressor.flush(zlib.Z_SYNC_FLUSH)
+    (sample_copy / "MRREL.RRF.gz").write_bytes(cut)
+    plain.unlink()
+    with pytest.raises(EOFError):
+        gzip.decompress(cut)
+    with pytest.raises(ReleaseIncompleteError, match=r"MRREL\.RRF\.gz: corrupt or truncated gzip archive \(Compressed file ended"):
+        ingest_rrf_file(sample_copy, "MRREL", warehouse)
+    assert not (warehouse.path.parent / "lake" / "umls").exists()  # nothing staged or published
+
+
+def test_missing_split_part_fails(sample_copy: Path, warehouse):
+    from medgraph.umls.completeness import ReleaseIncompleteError
+    from medgraph.umls.ingest import ingest_rrf_file
+
+    plain = sample_copy / "MRREL.RRF"
+    lines = plain.read_bytes().splitlines(keepends=True)
+    third = len(lines) // 3
+    for suffix, part in (("aa", lines[:third]), ("ab", lines[third: 2 * third]), ("ac", lines[2 * third:])):
+        (sample_copy / f"MRREL.RRF.{suffix}").write_bytes(b"".join(part))
+    plain.unlink()
+    assert ingest_rrf_file(sample_copy, "MRREL", warehouse).rows_out == len(lines)  # complete parts read as one
+    (sample_copy / "MRREL.RRF.ab").unlink()
+    with pytest.raises(ReleaseIncompleteError,
+                       match=r"MRREL\.RRF: split part MRREL\.RRF\.ab is missing \(found MRREL\.RRF\.aa, MRREL\.RRF\.ac\)"):
+        ingest_rrf_file(sample_copy, "MRREL", warehouse)
+
+
+def test_file_shorter_than_mrfiles_declares_fails_naming_both_numbers(sample_copy: Path, warehouse):
+    from medgraph.umls.completeness import ReleaseIncompleteError
+    from medgraph.umls.ingest import ingest_rrf_file
+
+    plain = sample_copy / "MRDEF.RRF"
+    data = plain.read_bytes()
+    lines = data.splitlines(keepends=True)
+    shorter = b"".join(lines[:-10])
+    plain.write_bytes(shorter)
+    expected = (f"MRDEF.RRF is incomplete: MRFILES.RRF declares {len(lines)} rows and {len(data)} bytes, "
+                f"the release has {len(lines) - 10} rows and {len(shorter)} bytes")
+    with pytest.raises(ReleaseIncompleteError, match=expected):
+        ingest_rrf_file(sample_copy, "MRDEF", warehouse)
+
+
+def test_non_utf8_bytes_name_the_file_and_line(release_copy: Path, warehouse):
+    from medgraph.umls.completeness import ReleaseIncompleteError
+    from medgraph.umls.ingest import ingest_rrf_file
+
+    path = release_copy / "MRCONSO.RRF"
+    lines = path.read_bytes().splitlines(keepends=True)
+    lines[4] = lines[4].replace(b"|", b"|caf\xe9 ", 1)  # Latin-1, not UTF-8
+    path.write_bytes(b"".join(lines))
+    with pytest.raises(ReleaseIncompleteError, match=r"MRCONSO\.RRF:5: not UTF-8 \(bytes e9"):
+        ingest_rrf_file(release_copy, "MRCONSO", warehouse)
+
+
+# Fault 9 (MIRAGE): an item without options was accepted; options as a list or an item that is a string were a
+# raw AttributeError; a truncated file's JSON error omitted the file name; non-UTF-8 bytes named no line.
+
+@pytest.mark.parametrize(("questions", "message"), [
+    ({"q7": {"question": "Which?", "answer": "A"}},
+     "medqa/q7 lacks options (a MIRAGE item has question, options and answer; options may be {})"),
+    ({"q7": {"question": "Which?", "options": ["x", "y"], "answer": "A"}},
+     "medqa/q7: options must be an object of letter -> text, found list"),
+    ({"q7": "Which one?"}, "medqa/q7: expected an object with question, options and answer, found str"),
+    ({"q7": {"options": {"A": "x"}, "answer": "A"}},
+     "medqa/q7 lacks question (a MIRAGE item has question, options and answer; options may be {})"),
+    (["q7"], "dataset 'medqa': expected an object of question id -> item, found list"),
+])
+def test_malformed_mirage_items_name_the_file_and_question(tmp_path: Path, questions: object, message: str):
+    from medgraph.kg.qa import load_mirage
+
+    path = tmp_path / "benchmark.json"
+    path.write_text(json.dumps({"medqa": questions}))
+    with pytest.raises((TypeError, ValueError)) as error:
+        load_mirage(path)
+    assert str(error.value) == f"{path}: {message}"
+    with pytest.raises(BenchmarkFormatError) as error:  # the same text through the benchmark loader
+        load_benchmark(f"mirage:{path}", tmp_path)
+    assert str(error.value) == f"{path}: {message}"
+
+
+def test_truncated_and_non_utf8_mirage_files_name_the_file_and_line(tmp_path: Path):
+    from medgraph.kg.qa import load_mirage
+
+    text = json.dumps({"medqa": {"q1": MC_ITEM, "q2": MC_ITEM}}, indent=1)
+    truncated = tmp_path / "truncated.json"
+    truncated.write_text(text[: len(text) // 2])
+    with pytest.raises(ValueError, match=rf"^{truncated}:\d+: not valid JSON \(.*; the file is truncated\)$"):
+        load_mirage(truncated)
+    latin1 = tmp_path / "latin1.json"
+    latin1.write_bytes(text.replace('"x"', '"caf\u00e9"').encode("latin-1"))
+    line = text.splitlines().index(next(x for x in text.splitlines() if '"x"' in x)) + 1
+    with pytest.raises(ValueError, match=rf"^{latin1}:{line}: not UTF-8 \(byte 0xe9\)"):
+        load_mirage(latin1)
+    with pytest.raises(BenchmarkFormatError, match=rf"^{latin1}:{line}: not UTF-8 \(byte 0xe9\)"):
+        dataset_names(f"mirage:{latin1}", tmp_path)
+
+
+# Fault 2 (per table): an empty MRREL.RRF replaced the good table before the blocking not_empty check ran.
+
+def test_empty_file_does_not_replace_the_table(release_copy: Path, warehouse):
+    from medgraph.umls.ingest import StagedCheckError, ingest_rrf_file
+
+    rows = ingest_rrf_file(release_copy, "MRREL", warehouse).rows_out
+    (release_copy / "MRREL.RRF").write_bytes(b"")
+    with pytest.raises(StagedCheckError, match=r"^MRREL\.RRF: not published, the staged rows fail blocking checks "
+                                               r"\(not_empty: 0 rows\); umls\.mrrel is unchanged$"):
+        ingest_rrf_file(release_copy, "MRREL", warehouse)
+    assert warehouse.count("umls.mrrel") == rows
+    assert not [p for p in (warehouse.path.parent / "lake" / "umls").iterdir() if ".tmp" in p.name]  # no staging left
