@@ -6,6 +6,7 @@ import os
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
@@ -15,6 +16,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from medgraph.storage import Lake, Warehouse
 from medgraph.umls.synthetic import write_synthetic_release
+
+if TYPE_CHECKING:
+    from medgraph.methods.tools import KnowledgeTools
+    from medgraph.retrieval import Retriever
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SHARED_DATA = REPO_ROOT.parent / "shared" / "data"
@@ -180,6 +185,23 @@ def retrieval_warehouse(gat_warehouse: Warehouse, encoder, tmp_path_factory: pyt
     embed_table(warehouse, edges.sql + " WHERE e.sab = 'MGDRUG'", "edge_embeddings", encoder,
                 id_column=edges.id_column, text_column=edges.text_column)
     return warehouse
+
+
+@pytest.fixture(scope="module")
+def retriever(retrieval_warehouse: Warehouse, encoder) -> Iterator[Retriever]:
+    """The retriever over `retrieval_warehouse`, one per test module (a module may define its own)."""
+    from medgraph.retrieval import Retriever
+
+    with Retriever(retrieval_warehouse, encoder) as retriever:
+        yield retriever
+
+
+@pytest.fixture(scope="module")
+def tools(retriever: Retriever) -> KnowledgeTools:
+    """`KnowledgeTools` over the module's retriever (shares its caches across the module's runs)."""
+    from medgraph.methods.tools import KnowledgeTools
+
+    return KnowledgeTools(retriever)
 
 
 @pytest.fixture(scope="session")

@@ -8,7 +8,6 @@ question takes and how they are batched, and what counts as evidence.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
 
 import pytest
 
@@ -17,8 +16,6 @@ from medgraph.llm.base import Conversation
 from medgraph.llm.scripted import ScriptedChatModel
 from medgraph.methods import KnowledgeTools, make_config, run_method
 from medgraph.methods.baselines import format_query_answers, parse_queries
-from medgraph.retrieval import Retriever
-from medgraph.storage import Warehouse
 
 AMLODIPINE, HYPERTENSION = "C9001289", "C0020538"
 OPTIONS = {"A": "amlodipine", "B": "salbutamol", "C": "insulin", "D": "aspirin"}
@@ -29,17 +26,6 @@ ANGINA = QaItem("test", "angina", "Which of the following may treat Angina pecto
                 {"A": "insulin", "B": "amlodipine"}, "B")
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
-
-
-@pytest.fixture(scope="module")
-def retriever(retrieval_warehouse: Warehouse, encoder) -> Iterator[Retriever]:
-    with Retriever(retrieval_warehouse, encoder) as retriever:
-        yield retriever
-
-
-@pytest.fixture(scope="module")
-def tools(retriever: Retriever) -> KnowledgeTools:
-    return KnowledgeTools(retriever)
 
 
 def answer_a(conversation: Conversation) -> str:

@@ -10,7 +10,7 @@ without an answer is asked once more for the answer alone.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 
 import duckdb
 import pytest
@@ -39,17 +39,6 @@ TREAT = QaItem("test", "treat", "Which of the following may treat Hypertension?"
 NO_GOLD = QaItem("test", "mirage", "Which of the following may treat Hypertension?", OPTIONS, "A")
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
-
-
-@pytest.fixture(scope="module")
-def retriever(retrieval_warehouse: Warehouse, encoder) -> Iterator[Retriever]:
-    with Retriever(retrieval_warehouse, encoder) as retriever:
-        yield retriever
-
-
-@pytest.fixture(scope="module")
-def tools(retriever: Retriever) -> KnowledgeTools:
-    return KnowledgeTools(retriever)
 
 
 def answer_a(conversation: Conversation) -> str:

@@ -10,7 +10,7 @@ not accuracy.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -52,17 +52,6 @@ CHEAP_A2RAG = {"iterations": 1, "max_triples_per_relation": 3, "top_n": 20}
 
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
-
-
-@pytest.fixture(scope="module")
-def retriever(retrieval_warehouse: Warehouse, encoder) -> Iterator[Retriever]:
-    with Retriever(retrieval_warehouse, encoder) as retriever:
-        yield retriever
-
-
-@pytest.fixture(scope="module")
-def tools(retriever: Retriever) -> KnowledgeTools:
-    return KnowledgeTools(retriever)
 
 
 def _question_index(conversation: Conversation) -> int:
