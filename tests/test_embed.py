@@ -313,7 +313,8 @@ def test_changing_one_definition_in_the_release_re_embeds_only_that_node(tiny_re
     fields[5] = "A sudden, abnormal electrical disturbance of the brain (edited)."
     lines[index] = "|".join(fields)
     mrdef.write_text("".join(lines), encoding="utf-8")
-    ingest_rrf_file(release, "MRDEF", warehouse)
+    # The edit changes MRDEF's size, which MRFILES.RRF declares: skip the completeness check for this file.
+    ingest_rrf_file(release, "MRDEF", warehouse, check_mrfiles=False)
     run_dbt(home, "build", "--select", "+kg_node_text", "--indirect-selection", "cautious")
 
     second = embed_table(warehouse, source, "node_embeddings", encoder, id_column="cui", text_column="text")
