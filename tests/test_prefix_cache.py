@@ -13,6 +13,7 @@ from collections.abc import Iterator
 
 import pytest
 import torch
+from test_methods import E2E_CONFIGS
 
 from medgraph.eval.evaluate import summarize
 from medgraph.kg.qa import QaItem
@@ -31,18 +32,9 @@ FABRY_SEIZURE = QaItem("test", "fabry", "Is Seizure a manifestation of Fabry dis
                        {"A": "yes", "B": "no"}, "A")
 MECHANISM = QaItem("test", "mechanism", "What is the mechanism of action of amlodipine?", {},
                    "Calcium Channel Antagonists")
-# Few steps and tokens, several turns each: enough to exercise the cache, cheap enough to run twice.
-CONFIGS = {
-    "a2rag": {"max_steps": 2, "iterations": 1, "max_triples_per_relation": 3, "top_n": 15, "context_triples": 10,
-              "observe_triples": 5, "text_k": 1, "max_new_tokens": 24},
-    "graph-r1": {"max_steps": 3, "max_new_tokens": 24, "search_k": 4, "traverse_limit": 8, "demonstration": True},
-    "sema-rag": {"max_rounds": 2, "max_new_tokens": 16, "text_k": 1, "triples_per_round": 3},
-    "cot": {"max_new_tokens": 16},
-    "rag": {"text_k": 2, "max_new_tokens": 16},
-    "rag-kg": {"text_k": 2, "triples_k": 5, "max_new_tokens": 16},
-    "irag": {"rounds": 1, "queries_per_round": 1, "text_k": 1, "query_tokens": 24, "query_answer_tokens": 16,
-             "max_new_tokens": 16},
-}
+# Few steps and tokens (the end-to-end configs of test_methods), Graph-R1 with one more turn: several turns
+# each, enough to exercise the cache, cheap enough to run twice.
+CONFIGS = {**E2E_CONFIGS, "graph-r1": {**E2E_CONFIGS["graph-r1"], "max_steps": 3}}
 
 
 @pytest.fixture(scope="module")

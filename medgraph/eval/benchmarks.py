@@ -167,6 +167,17 @@ def load_benchmark(spec: str, home: Path, limit_per_dataset: int | None = None) 
 KG_DATASETS = tuple(sorted(set(DATASET_OF_TYPE.values())))  # the embedded split's datasets
 
 
+def _declared_names(source: BenchmarkSource) -> list[str] | None:
+    """The dataset names a source declares without opening a file; None for a MIRAGE file without selector."""
+    if source.kind == "kg":
+        return list(KG_DATASETS)
+    if source.kind == "pubmedqa":
+        return ["pubmedqa"]
+    if source.kind == "jsonl":
+        return [source.datasets[0] if source.datasets else source.path.stem]
+    return list(source.datasets) or None
+
+
 def dataset_names(spec: str, home: Path) -> Sequence[str]:
     """The dataset names a spec yields, known before any asset runs (the evaluation partitions).
 
@@ -174,19 +185,13 @@ def dataset_names(spec: str, home: Path) -> Sequence[str]:
     """
     names: list[str] = []
     for source in parse_benchmark_spec(spec, home):
-        if source.kind == "kg":
-            names += KG_DATASETS
-        elif source.kind == "pubmedqa":
-            names.append("pubmedqa")
-        elif source.kind == "jsonl":
-            names.append(source.datasets[0] if source.datasets else source.path.stem)
-        elif source.datasets:
-            names += source.datasets
-        else:
+        declared = _declared_names(source)
+        if declared is None:
             data = _read_json(source.path)
             if not isinstance(data, dict):
                 raise BenchmarkFormatError(f"{source.path}: expected an object of datasets")
-            names += list(data)
+            declared = list(data)
+        names += declared
     return sorted({check_dataset_name(name, f"benchmark spec {spec!r}") for name in names})
 
 
@@ -205,16 +210,7 @@ def partition_names(spec: str, home: Path) -> list[str]:
         sources = parse_benchmark_spec(spec, home)
     except ValueError:
         return list(KG_DATASETS)
-    declared: list[str] = []
-    for source in sources:
-        if source.kind == "kg":
-            declared += KG_DATASETS
-        elif source.kind == "pubmedqa":
-            declared.append("pubmedqa")
-        elif source.kind == "jsonl":
-            declared.append(source.datasets[0] if source.datasets else source.path.stem)
-        else:
-            declared += source.datasets or MIRAGE_DATASETS
+    declared = [name for source in sources for name in (_declared_names(source) or MIRAGE_DATASETS)]
     safe = sorted({name for name in declared if DATASET_NAME.fullmatch(name) and name not in (".", "..")})
     return safe or list(KG_DATASETS)
 
