@@ -46,6 +46,7 @@ $(DAGSTER_HOME)/dagster.yaml: deploy/local/dagster.yaml
 test: install
 	$(BIN)/pytest
 
+# Runs killed earlier (kill -9) would hold their pool slots and wedge the next run: `python -m jobs.recovery` frees them.
 # Data and models first, then each benchmark dataset (the evaluations are partitioned by dataset), then GSRM's
 # retrieval-level recall over every test item (no LLM) and the report.
 # One dataset by default (the KG-derived multiple-choice questions) to keep the demo in minutes on a laptop;
@@ -53,6 +54,7 @@ test: install
 EVALUATIONS := group:evaluation and not key:"eval/evaluation_report" and not key:"eval/gsrm_recall"
 DEMO_DATASETS ?= kgqa_mc
 demo: install $(DAGSTER_HOME)/dagster.yaml
+	$(BIN)/python -m jobs.recovery
 	$(BIN)/dagster asset materialize -m definitions --select 'not group:evaluation and not group:text_extraction' -c deploy/local/demo_run_config.yaml
 	for dataset in $(DEMO_DATASETS); do \
 	  $(BIN)/dagster asset materialize -m definitions --select '$(EVALUATIONS)' --partition $$dataset \
@@ -64,6 +66,7 @@ demo: install $(DAGSTER_HOME)/dagster.yaml
 	@echo "report: $(MEDGRAPH_HOME)/reports/report.html   UI: make ui (then http://127.0.0.1:3000)"
 
 ui: install $(DAGSTER_HOME)/dagster.yaml
+	$(BIN)/python -m jobs.recovery
 	$(BIN)/dagster dev -w workspace.yaml
 
 clean:

@@ -7,16 +7,43 @@ in `_parser()`; `main` dispatches on the `handler` default each subparser sets.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import os
+import signal
 import sys
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
+import threading
+import time
+import types
+import typing
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from medgraph.llm.base import ChatModel
     from medgraph.methods.a2rag import GraphTokenizer
     from medgraph.methods.common import MethodResult
+    from medgraph.retrieval import Retriever
     from medgraph.storage import Warehouse
+
+# `medgraph ask` limits: the whole call (model loading included) and the question's length.
+ASK_TIMEOUT_S = 45.0
+MAX_QUESTION_CHARS = 8_000  # ~2k prompt tokens; MedQA's longest vignettes are ~1.5k characters
+EXIT_TIMEOUT = 124  # as timeout(1)
+# After SIGTERM/SIGINT the CLI unwinds (closing connections, discarding staging files); if that has not
+# ended the process within this many seconds (a worker thread stuck in a request), it exits anyway.
+EXIT_GRACE_S = 3.0
+
+
+class UsageError(Exception):
+    """A bad command line (exit status 2, as argparse's own errors)."""
+
+
+class AskTimedOut(BaseException):
+    """`medgraph ask --timeout` ran out. A BaseException, so library code that catches Exception
+    (retries, fallbacks) does not swallow it."""
 
 
 def _cmd_sample_release(args: argparse.Namespace) -> int:
@@ -66,27 +93,111 @@ def _parse_options(pairs: Sequence[str]) -> dict[str, str]:
         letter, sep, text = pair.partition("=")
         letter = letter.strip().upper()
         if not sep or not letter or not text.strip():
-            raise SystemExit(f"medgraph ask: --option takes LETTER=TEXT, got {pair!r}")
+            raise UsageError(f"--option takes LETTER=TEXT, got {pair!r}")
         if letter in options:
-            raise SystemExit(f"medgraph ask: option {letter} given twice")
+            raise UsageError(f"option {letter} given twice")
         options[letter] = text.strip()
     return options
 
 
-def _parse_overrides(pairs: Sequence[str]) -> dict[str, object]:
-    """`--set key=value` values; a value is read as JSON when it can be (numbers, booleans, lists)."""
+def _parse_overrides(pairs: Sequence[str], config_type: type | None = None) -> dict[str, object]:
+    """`--set key=value` values; a value is read as JSON when it can be (numbers, booleans, lists).
+
+    With `config_type` (a method's configuration dataclass) each key must be one of its fields and each
+    value of the field's type and range; anything else is a UsageError naming the key and what it takes."""
     overrides: dict[str, object] = {}
+    fields = _config_fields(config_type) if config_type is not None else {}
     for pair in pairs:
-        key, sep, value = pair.partition("=")
-        if not sep or not key.strip():
-            raise SystemExit(f"medgraph ask: --set takes KEY=VALUE, got {pair!r}")
+        key, sep, raw = pair.partition("=")
+        key = key.strip()
+        if not sep or not key:
+            raise UsageError(f"--set takes KEY=VALUE, got {pair!r}")
         try:
-            overrides[key.strip()] = json.loads(value)
+            value: object = json.loads(raw)
         except json.JSONDecodeError:
-            overrides[key.strip()] = value
-        if isinstance(overrides[key.strip()], list):
-            overrides[key.strip()] = tuple(overrides[key.strip()])
+            value = raw
+        if isinstance(value, list):
+            value = tuple(value)
+        if config_type is not None:
+            if key not in fields:
+                raise UsageError(f"--set {pair}: {config_type.__name__} has no field {key!r}; "
+                                 f"known: {', '.join(sorted(fields))}")
+            value = _checked_value(key, raw, value, fields[key])
+        overrides[key] = value
     return overrides
+
+
+# Fields that must be at least 1 (budgets and counts that 0 would make meaningless); every other number
+# must be at least 0; `tau` is a probability threshold.
+_POSITIVE_FIELDS = frozenset({"max_new_tokens", "query_tokens", "query_answer_tokens", "max_steps", "max_rounds",
+                              "top_n", "search_k"})
+_FLOAT_RANGES = {"tau": (0.0, 1.0)}
+
+
+def _config_fields(config_type: type) -> dict[str, object]:
+    hints = typing.get_type_hints(config_type)
+    return {f.name: hints[f.name] for f in dataclasses.fields(config_type)}
+
+
+def _describe_type(kind: object) -> str:
+    origin, args = typing.get_origin(kind), typing.get_args(kind)
+    if origin is typing.Literal:
+        return "one of " + ", ".join(repr(a) for a in args)
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join("null" if a is type(None) else _describe_type(a) for a in args)
+    if origin is tuple:
+        return f"a list of {_describe_type(args[0])}s (JSON, e.g. [\"a\", \"b\"], or a,b)"
+    return {bool: "true or false", int: "an integer", float: "a number", str: "a string"}.get(kind, str(kind))
+
+
+def _checked_value(key: str, raw: str, value: object, kind: object) -> object:
+    """`value` as field `key` of type `kind` takes it, or a UsageError that says what it takes."""
+    def bad(expected: str) -> UsageError:
+        return UsageError(f"--set {key}={raw}: {key} takes {expected}, got {raw!r}")
+
+    origin, args = typing.get_origin(kind), typing.get_args(kind)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        for option in (a for a in args if a is not type(None)):
+            try:
+                return _checked_value(key, raw, value, option)
+            except UsageError:
+                continue
+        raise bad(_describe_type(kind))
+    if origin is typing.Literal:
+        if value not in args:
+            raise bad(_describe_type(kind))
+        return value
+    if origin is tuple:
+        items = tuple(p.strip() for p in value.split(",") if p.strip()) if isinstance(value, str) else value
+        if not isinstance(items, tuple) or not all(isinstance(i, str) for i in items):
+            raise bad(_describe_type(kind))
+        return items
+    if kind is bool:
+        if not isinstance(value, bool):
+            raise bad(_describe_type(kind))
+        return value
+    if kind is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise bad(_describe_type(kind))
+        low = 1 if key in _POSITIVE_FIELDS else 0
+        if value < low:
+            raise UsageError(f"--set {key}={raw}: {key} must be an integer >= {low}, got {value}")
+        return value
+    if kind is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise bad(_describe_type(kind))
+        low, high = _FLOAT_RANGES.get(key, (0.0, float("inf")))
+        if not low <= value <= high:
+            limits = f"between {low:g} and {high:g}" if high != float("inf") else f">= {low:g}"
+            raise UsageError(f"--set {key}={raw}: {key} must be a number {limits}, got {value}")
+        return float(value)
+    if kind is str:
+        if not isinstance(value, str):
+            return raw  # e.g. a name that happens to parse as a number
+        return value
+    return value
 
 
 def _champion_graph_tokenizer(llm: ChatModel, warehouse: Warehouse) -> GraphTokenizer | None:
@@ -137,14 +248,152 @@ def _print_trace(result: MethodResult) -> None:
     console.print(stats)
 
 
+def _read_question(args: argparse.Namespace) -> str:
+    """The question from the argument, `--question-file PATH`, or standard input (`-` for either)."""
+    if args.question is not None and args.question_file is not None:
+        raise UsageError("give the question either as an argument or with --question-file, not both")
+    source = args.question_file if args.question_file is not None else args.question
+    if source is None:
+        raise UsageError("no question: give it as an argument, with --question-file PATH, or as - to read it "
+                         "from standard input")
+    if source == "-":
+        text = sys.stdin.read()
+    elif args.question_file is not None:
+        path = Path(args.question_file)
+        try:
+            text = path.read_text(encoding="utf-8")
+        except FileNotFoundError:
+            raise UsageError(f"--question-file {path}: no such file") from None
+        except UnicodeDecodeError as error:
+            raise UsageError(f"--question-file {path}: not UTF-8 (byte {error.start})") from None
+        except OSError as error:
+            raise UsageError(f"--question-file {path}: {error.strerror}") from None
+    else:
+        text = args.question
+    text = text.strip()
+    if not text:
+        raise UsageError("the question is empty" + (" (standard input)" if source == "-" else
+                                                    f" ({source})" if args.question_file else ""))
+    return text
+
+
+def _check_question_length(question: str, options: dict[str, str], limit: int) -> None:
+    """Refuse a question (with its options) longer than `limit` characters (0: no limit): prompt size, and
+    so time and memory, grow with it, and a pasted document is rarely what was meant."""
+    size = len(question) + sum(len(text) for text in options.values())
+    if limit and size > limit:
+        what = "the question with its options" if options else "the question"
+        raise UsageError(f"{what} is {size:,} characters, over the limit of {limit:,} (about {limit // 4:,} prompt "
+                         f"tokens); raise it with --max-question-chars N (0: no limit)")
+
+
+@contextmanager
+def _time_limit(seconds: float) -> Iterator[None]:
+    """Raise AskTimedOut in the main thread after `seconds` (0: no limit), wherever it is: loading a model,
+    generating, or waiting on an LLM server (a blocked socket read is interrupted)."""
+    if not seconds or threading.current_thread() is not threading.main_thread() or not hasattr(signal, "setitimer"):
+        yield
+        return
+
+    def expire(signum: int, frame: object) -> None:
+        raise AskTimedOut()
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+class _LazyEncoder:
+    """The encoder, loaded on first use: a method without dense retrieval (cot) never waits for it."""
+
+    def __init__(self, load: Any):
+        self._load, self._encoder = load, None
+
+    def __getattr__(self, name: str) -> Any:
+        if self._encoder is None:
+            self._encoder = self._load()
+        return getattr(self._encoder, name)
+
+
+class _ClosesWarehouseWhileGenerating:
+    """The LLM, with the retriever's warehouse connection closed before each call: DuckDB lets no writer
+    open the file while any reader holds it, and an LLM call can take minutes. The next query reopens it."""
+
+    def __init__(self, llm: ChatModel, retriever: Retriever):
+        self._llm, self._retriever = llm, retriever
+
+    def generate(self, conversations: Sequence[Any], config: Any = None, graph_tokens: Any = None) -> list[Any]:
+        self._retriever.graph.close()
+        if graph_tokens is None:
+            return self._llm.generate(conversations, config)
+        return self._llm.generate(conversations, config, graph_tokens)
+
+    def complete(self, conversation: Any, config: Any = None) -> Any:
+        return self.generate([conversation], config)[0]
+
+    def __getattr__(self, name: str) -> Any:  # name, supports_graph_tokens, hidden_size, ...
+        return getattr(self._llm, name)
+
+
 def _cmd_ask(args: argparse.Namespace) -> int:
-    """Answer one question with one method over the warehouse's KG and corpus; optionally show the trace."""
-    from medgraph.embed.encoder import load_encoder
+    """Answer one question with one method over the warehouse's KG and corpus; optionally show the trace.
+
+    Everything the command line can get wrong is checked before any model is loaded (exit status 2); the
+    time limit covers the whole call from here on."""
+    if args.timeout < 0:
+        raise UsageError(f"--timeout must be >= 0 seconds (0: no limit), got {args.timeout:g}")
+    question = _read_question(args)  # before the clock starts: standard input may be a person typing
+    options = _parse_options(args.option)
+    _check_question_length(question, options, args.max_question_chars)
+    stage = ["starting"]
+    deadline = time.monotonic() + args.timeout if args.timeout else None
+    try:
+        with _time_limit(args.timeout):
+            return _checked_answer(args, question, options, deadline, stage)
+    except AskTimedOut:
+        pass
+    except Exception as error:
+        from medgraph.llm.openai_http import LlmRequestError
+
+        if not isinstance(error, LlmRequestError):
+            raise
+        if deadline is None or time.monotonic() < deadline - 0.5:
+            print(f"medgraph ask: {error}", file=sys.stderr)
+            return 1
+    print(f"medgraph ask: no answer within the time limit of {args.timeout:g} s (--timeout) while {stage[0]}; "
+          f"raise it with --timeout SECONDS (0: no limit)", file=sys.stderr)
+    return EXIT_TIMEOUT
+
+
+def _checked_answer(args: argparse.Namespace, question: str, options: dict[str, str], deadline: float | None,
+                    stage: list[str]) -> int:
     from medgraph.kg.qa import QaItem
+    from medgraph.methods import make_config
+    from medgraph.methods.registry import ABLATIONS, METHODS
+
+    method = ABLATIONS.get(args.method, (args.method, {}))[0]
+    if method not in METHODS:
+        raise UsageError(f"unknown method {args.method!r}; methods: {', '.join(METHODS)}; "
+                         f"ablations: {', '.join(ABLATIONS)}")
+    try:
+        config = make_config(args.method, _parse_overrides(args.set, METHODS[method].config_type))
+    except (ValueError, TypeError) as error:  # a field's own validation (e.g. Graph-R1's action names)
+        raise UsageError(str(error)) from None
+    item = QaItem(dataset="ask", qid="ask", question=question, options=options, answer="")
+    return _answer(args, item, config, deadline, stage)
+
+
+def _answer(args: argparse.Namespace, item: Any, config: object, deadline: float | None, stage: list[str]) -> int:
+    from medgraph.embed.encoder import load_encoder
     from medgraph.llm import load_llm
-    from medgraph.methods import make_config, method_of, run_method
+    from medgraph.llm.openai_http import OpenAIChatModel
+    from medgraph.methods import method_of, run_method
     from medgraph.retrieval import Retriever
-    from medgraph.settings import load_settings
+    from medgraph.settings import load_settings, redact_uri
     from medgraph.storage import open_warehouse
 
     settings = load_settings()
@@ -152,20 +401,24 @@ def _cmd_ask(args: argparse.Namespace) -> int:
     if not warehouse.path.exists():
         print(f"no warehouse at {warehouse.path}: build the platform first (`make demo`)", file=sys.stderr)
         return 1
-    item = QaItem(dataset="ask", qid="ask", question=args.question, options=_parse_options(args.option), answer="")
-    try:
-        config = make_config(args.method, _parse_overrides(args.set))
-    except (ValueError, TypeError) as error:
-        print(f"medgraph ask: {error}", file=sys.stderr)
-        return 2
+    stage[0] = f"loading the LLM ({redact_uri(args.llm or settings.llm)})"
     llm = None
     if method_of(args.method) == "graph-r1" and args.llm is None:
         llm = _champion_policy(settings, args.method)  # as evaluation picks it: GRPO, else SFT, else the base LLM
     llm = llm or load_llm(args.llm)
-    graph_tokenizer = _champion_graph_tokenizer(llm, warehouse) if method_of(args.method) == "a2rag" else None
-    with Retriever(warehouse, load_encoder(settings.encoder)) as retriever:
-        (result,) = run_method(args.method, [item], retriever, llm, config, graph_tokenizer=graph_tokenizer)
-    llm.close()
+    if isinstance(llm, OpenAIChatModel) and deadline is not None:
+        # Each request waits at most until the call's deadline (not 5 x 120 s of read timeouts and retries).
+        llm.deadline = deadline
+        llm.timeout_s = min(llm.timeout_s, args.timeout)
+    try:
+        graph_tokenizer = _champion_graph_tokenizer(llm, warehouse) if method_of(args.method) == "a2rag" else None
+        encoder = _LazyEncoder(lambda: load_encoder(settings.encoder))
+        stage[0] = f"answering with {args.method} (LLM {redact_uri(args.llm or settings.llm)})"
+        with Retriever(warehouse, encoder) as retriever:
+            model = _ClosesWarehouseWhileGenerating(llm, retriever)
+            (result,) = run_method(args.method, [item], retriever, model, config, graph_tokenizer=graph_tokenizer)
+    finally:
+        llm.close()
     if args.json:
         payload = {k: v for k, v in result.as_dict().items() if k not in ("answer", "correct", "f1")}
         print(json.dumps(payload, ensure_ascii=False, indent=1, default=str))
@@ -256,7 +509,15 @@ def _parser() -> argparse.ArgumentParser:
     status.set_defaults(handler=_cmd_status)
 
     ask = commands.add_parser("ask", help="answer one question with a method and show its trace")
-    ask.add_argument("question", help="the question text")
+    ask.add_argument("question", nargs="?", default=None,
+                     help="the question text; - reads it from standard input")
+    ask.add_argument("--question-file", default=None, metavar="PATH",
+                     help="read the question from a UTF-8 text file (- for standard input)")
+    ask.add_argument("--max-question-chars", type=int, default=MAX_QUESTION_CHARS, metavar="N",
+                     help=f"refuse longer questions, options included (default {MAX_QUESTION_CHARS:,}; 0: no limit)")
+    ask.add_argument("--timeout", type=float, default=ASK_TIMEOUT_S, metavar="SECONDS",
+                     help=f"time limit for the whole call, model loading included; HTTP LLM requests wait at "
+                          f"most this long (default {ASK_TIMEOUT_S:g}; 0: no limit; exit status {EXIT_TIMEOUT})")
     ask.add_argument("--option", action="append", default=[], metavar='LETTER="TEXT"',
                      help='a multiple-choice option, e.g. --option A="amlodipine" (repeat; none: short answer)')
     ask.add_argument("--method", default="a2rag",
@@ -281,7 +542,64 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `medgraph` console script; returns the exit status."""
     args = _parser().parse_args(argv)
-    return int(args.handler(args))
+    with _exit_on_termination():
+        try:
+            return int(args.handler(args))
+        except UsageError as error:
+            print(f"medgraph {args.command}: error: {error}", file=sys.stderr)
+            return 2
+
+
+@contextmanager
+def _exit_on_termination() -> Iterator[None]:
+    """SIGTERM/SIGINT end the command promptly: the signal unwinds the main thread (SystemExit, so
+    `finally` blocks close connections and discard staging files), and a watchdog ends the process
+    EXIT_GRACE_S later if that has not (a worker thread stuck in a request, the main thread inside a
+    long native call). The watchdog hears the signal through signal.set_wakeup_fd, which the C-level
+    handler writes at once, even while the main thread cannot run Python code. A second signal
+    exits at once."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    import socket
+
+    watched = (signal.SIGTERM, signal.SIGINT)
+    received: list[int] = []
+    reader, writer = socket.socketpair()
+    writer.setblocking(False)
+
+    def on_signal(signum: int, frame: object) -> None:
+        if received:
+            os._exit(128 + signum)
+        received.append(signum)
+        raise SystemExit(128 + signum)
+
+    def watchdog() -> None:
+        while True:
+            try:
+                data = reader.recv(64)
+            except OSError:
+                return
+            if not data:
+                return
+            hit = [n for n in data if n in watched]
+            if hit:
+                time.sleep(EXIT_GRACE_S)
+                os._exit(128 + hit[0])
+
+    previous = {signum: signal.signal(signum, on_signal) for signum in watched}
+    previous_fd = signal.set_wakeup_fd(writer.fileno(), warn_on_full_buffer=False)
+    thread = threading.Thread(target=watchdog, name="medgraph-exit-watchdog", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        signal.set_wakeup_fd(previous_fd)
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+        if not received:  # after a signal the watchdog stays armed until the process has exited
+            writer.close()
+            reader.close()
 
 
 if __name__ == "__main__":

@@ -10,11 +10,19 @@ The lake is a local directory (`Lake`, the default) or an S3 prefix
 (`medgraph.s3.S3Lake`, same methods; DuckDB reaches it through httpfs); the
 warehouse itself is always a local DuckDB file, whose views then point at
 `s3://` paths. `open_lake` picks one from a location string.
+
+A home can move: views hold absolute paths (so a plain `duckdb warehouse.duckdb`
+reads them too), and `Warehouse.open` re-points views that read a local lake
+other than the configured one (a moved or copied MEDGRAPH_HOME) at the same
+files of the configured lake, in one transaction, before anything reads them.
 """
 
 from __future__ import annotations
 
+import glob
+import logging
 import os
+import re
 import shutil
 import time
 import uuid
@@ -31,9 +39,14 @@ from medgraph.s3 import S3Lake, S3Options, is_s3_uri, s3_access
 if TYPE_CHECKING:
     from medgraph.settings import Settings
 
+log = logging.getLogger(__name__)
+
 # DuckDB allows one writing process per database file; other processes (e.g.
 # parallel Dagster steps) wait for the lock instead of failing outright.
 _LOCK_WAIT_SECONDS = 120.0
+
+# A string literal in the SQL text DuckDB keeps for a view ('' is an escaped quote).
+_SQL_STRING = re.compile(r"'((?:[^']|'')*)'")
 
 
 def quote_ident(name: str) -> str:
@@ -184,23 +197,56 @@ class Warehouse:
 
     def open(self, read_only: bool = False) -> duckdb.DuckDBPyConnection:
         """A connection the caller closes (long-lived readers). Every connection of this
-        process uses the same configuration, as DuckDB requires for one database file."""
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        deadline = time.monotonic() + _LOCK_WAIT_SECONDS
-        while True:
-            try:
-                con = duckdb.connect(str(self.path), read_only=read_only, config=self._config())
-                break
-            except duckdb.IOException as error:
-                if "lock" not in str(error).lower() or time.monotonic() > deadline:
-                    raise
-                time.sleep(0.25)
+        process uses the same configuration, as DuckDB requires for one database file.
+
+        Views still reading another local lake (the home was moved or copied) are re-pointed at the
+        configured lake first; a read-only caller gets a short write connection for that."""
+        con = self._connect(read_only)
         try:
+            if self.lake.is_local and lake_views_to_repoint(con, self._lake_root):
+                if read_only:
+                    con.close()
+                    self.repoint_lake_views()
+                    con = self._connect(read_only)
+                else:
+                    _repoint_in_transaction(con, self._lake_root)
             self.lake.configure(con)  # an S3 lake: httpfs and credentials, so the views over s3:// resolve
         except BaseException:
             con.close()
             raise
         return con
+
+    def _connect(self, read_only: bool) -> duckdb.DuckDBPyConnection:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        deadline = time.monotonic() + _LOCK_WAIT_SECONDS
+        while True:
+            try:
+                return duckdb.connect(str(self.path), read_only=read_only, config=self._config())
+            except duckdb.IOException as error:
+                if "lock" not in str(error).lower() or time.monotonic() > deadline:
+                    raise
+                time.sleep(0.25)
+
+    def repoint_lake_views(self) -> list[str]:
+        """Point every view that reads files of another local lake at the same files of this lake, in one
+        transaction; returns the views changed. `open` does this by itself; dbt, which opens the warehouse
+        file on its own, needs it called first."""
+        if not self.lake.is_local:
+            return []  # views over an S3 lake do not depend on where MEDGRAPH_HOME is
+        try:
+            con = self._connect(read_only=False)
+        except duckdb.Error as error:
+            raise RuntimeError(
+                f"{self.path}: views read files of another lake than {self._lake_root} (the home was moved "
+                f"or copied); re-pointing them needs write access to the warehouse: {error}") from error
+        try:
+            return _repoint_in_transaction(con, self._lake_root)
+        finally:
+            con.close()
+
+    @property
+    def _lake_root(self) -> str:
+        return os.path.abspath(self.lake.uri)
 
     @contextmanager
     def connect(self, read_only: bool = False) -> Iterator[duckdb.DuckDBPyConnection]:
@@ -253,3 +299,92 @@ class Warehouse:
                 [schema, table],
             ).fetchone()
             return bool(row[0])
+
+
+@dataclass(frozen=True)
+class LakeViewMove:
+    """A view that reads a file of another local lake, and the same file in the configured lake."""
+
+    view: str
+    old_path: str
+    new_path: str
+    create_sql: str  # CREATE OR REPLACE VIEW ... over the configured lake's files
+
+
+def lake_views_to_repoint(con: duckdb.DuckDBPyConnection, lake_root: str) -> list[LakeViewMove]:
+    """Views of the warehouse reading local lake files outside `lake_root` whose counterparts under
+    `lake_root` exist (a moved home, or a copy still reading the original's lake).
+
+    Every lake file is `<root>/<schema>/<name>` and a view of schema S reads files under `<root>/S/`
+    (no `<name>` contains `/S/` again), so the root a view was written against is what precedes the
+    last `/S/` of its path. Paths that are not absolute (s3://...) are left as they are. A view whose
+    file the configured lake lacks keeps its path, with a warning: the next materialization replaces it.
+    """
+    rows = con.execute(
+        "SELECT schema_name, view_name, sql FROM duckdb_views() "
+        "WHERE NOT internal AND NOT temporary AND database_name = current_database()").fetchall()
+    moves = []
+    for schema, view, sql in rows:
+        name = f"{schema}.{view}"
+        new_sql, paths = _sql_over_lake(sql, schema, lake_root)
+        if not paths:
+            continue
+        missing = [new for _, new in paths if not _lake_path_exists(new)]
+        if missing or not new_sql.startswith("CREATE VIEW "):
+            reason = f"{missing[0]} does not exist" if missing else "its SQL is not a plain CREATE VIEW"
+            _warn_once(f"{name} {paths[0][0]}",
+                       f"view {name} reads {paths[0][0]}, outside the lake {lake_root}, and is left as "
+                       f"it is: {reason} (materialize its asset again to rebuild it)")
+            continue
+        create_sql = "CREATE OR REPLACE VIEW " + new_sql[len("CREATE VIEW "):]
+        moves.append(LakeViewMove(name, paths[0][0], paths[0][1], create_sql))
+    return moves
+
+
+def _sql_over_lake(sql: str, schema: str, lake_root: str) -> tuple[str, list[tuple[str, str]]]:
+    """`sql` with every absolute path `<other root>/<schema>/...` replaced by `<lake_root>/<schema>/...`,
+    and the (old, new) paths replaced."""
+    paths: list[tuple[str, str]] = []
+
+    def replace(literal: re.Match) -> str:
+        path = literal.group(1).replace("''", "'")
+        cut = path.rfind(f"/{schema}/")
+        if not path.startswith("/") or cut <= 0 or path[:cut] == lake_root:
+            return literal.group(0)
+        paths.append((path, lake_root + path[cut:]))
+        return sql_literal(paths[-1][1])
+
+    return _SQL_STRING.sub(replace, sql), paths
+
+
+def _repoint_in_transaction(con: duckdb.DuckDBPyConnection, lake_root: str) -> list[str]:
+    """Re-point the stale views in one transaction (looked up again inside it: another process may have
+    done it meanwhile)."""
+    con.execute("BEGIN")
+    try:
+        moves = lake_views_to_repoint(con, lake_root)
+        for move in moves:
+            con.execute(move.create_sql)
+        con.execute("COMMIT")
+    except BaseException:
+        con.execute("ROLLBACK")
+        raise
+    if moves:
+        log.warning("re-pointed %d warehouse views at the lake %s (they read another lake, e.g. %s: the home "
+                    "was moved or copied)", len(moves), lake_root, moves[0].old_path)
+    return [move.view for move in moves]
+
+
+def _lake_path_exists(path: str) -> bool:
+    if glob.has_magic(path):
+        return bool(glob.glob(path, recursive=True))
+    return os.path.exists(path)
+
+
+_warned: set[str] = set()
+
+
+def _warn_once(key: str, message: str) -> None:
+    if key not in _warned:
+        _warned.add(key)
+        log.warning(message)

@@ -4,6 +4,7 @@ import dagster as dg
 
 from medgraph.embed.index import VectorIndex
 from medgraph.embed.tables import EMBEDDING_SOURCES, embed_table, embedding_source_sql
+from platform_assets.automation import on_data_version_change
 from resources import EncoderResource, WarehouseResource
 
 INPUTS = {
@@ -35,7 +36,7 @@ def _embedding_asset(target: str) -> dg.AssetsDefinition:
         kinds={"duckdb", "parquet", "faiss"},
         pool="warehouse",
         code_version="1",
-        automation_condition=dg.AutomationCondition.eager(),
+        automation_condition=on_data_version_change(),
         description=DESCRIPTIONS[target] + " Parquet in the lake, view `embeddings." + target
         + "`, and a versioned FAISS index file beside it.",
     )

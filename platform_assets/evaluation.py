@@ -31,6 +31,7 @@ from medgraph.retrieval import Retriever
 from medgraph.settings import load_settings, redact_uri
 from medgraph.tracking import MODEL_NAMES, metric_name
 from medgraph.umls.schema import MRCONSO
+from platform_assets.automation import on_data_version_change, on_data_version_change_once_settled
 from resources import EncoderResource, LlmResource, MlflowResource, WarehouseResource
 
 SETTINGS = load_settings()
@@ -52,7 +53,7 @@ class BenchmarkConfig(dg.Config):
     group_name="evaluation",
     kinds={"json"},
     code_version="1",
-    automation_condition=dg.AutomationCondition.eager(),
+    automation_condition=on_data_version_change(),
 )
 def qa_benchmark(context: dg.AssetExecutionContext, config: BenchmarkConfig,
                  warehouse: WarehouseResource) -> dg.MaterializeResult:
@@ -117,7 +118,7 @@ def _eval_asset(name: str, methods: tuple[str, ...], model_deps: tuple[dg.AssetK
         pool="gpu",
         code_version="1",
         description=description,
-        automation_condition=dg.AutomationCondition.eager(),
+        automation_condition=on_data_version_change(),
     )
     def _evaluate(context: dg.AssetExecutionContext, config: EvalConfig, warehouse: WarehouseResource,
                   encoder: EncoderResource, llm: LlmResource, mlflow_tracking: MlflowResource) -> dg.MaterializeResult:
@@ -299,7 +300,7 @@ def _latest_metadata(instance: dg.DagsterInstance, key: dg.AssetKey, name: str) 
     group_name="evaluation",
     kinds={"html", "markdown", "mlflow"},
     code_version="2",
-    automation_condition=dg.AutomationCondition.eager(),
+    automation_condition=on_data_version_change_once_settled(),
 )
 def evaluation_report(context: dg.AssetExecutionContext, config: ReportConfig, warehouse: WarehouseResource,
                       encoder: EncoderResource, llm: LlmResource, mlflow_tracking: MlflowResource) -> dg.MaterializeResult:

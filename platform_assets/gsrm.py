@@ -27,6 +27,7 @@ from medgraph.kg.qa import QaItem, load_mirage
 from medgraph.methods.a2rag import A2RagConfig
 from medgraph.methods.tools import KnowledgeTools
 from medgraph.retrieval import Retriever
+from platform_assets.automation import on_data_version_change
 from resources import EncoderResource, MlflowResource, WarehouseResource
 
 EMBEDDINGS = [dg.AssetKey(["embeddings", "edge_embeddings"]), dg.AssetKey(["embeddings", "node_embeddings"])]
@@ -52,7 +53,7 @@ def _items(home: Path, split: str, limit: int | None = None) -> list[QaItem]:
 
 
 @dg.asset(key=GSRM_PARAMS.path, deps=PARAMS_INPUTS, group_name="models", kinds={"mlflow", "json"},
-          pool="gpu", code_version="1", automation_condition=dg.AutomationCondition.eager())
+          pool="gpu", code_version="1", automation_condition=None)  # weekly_retraining: see automation.py
 def gsrm_params(context: dg.AssetExecutionContext, config: GsrmSweepConfig, warehouse: WarehouseResource,
                 encoder: EncoderResource, mlflow_tracking: MlflowResource) -> dg.MaterializeResult:
     """GSRM's tau, K and N chosen on the validation split by Recall@10 of the ranked triple list
@@ -91,7 +92,7 @@ class GsrmRecallConfig(dg.Config):
 
 @dg.asset(key=["eval", "gsrm_recall"], deps=[GSRM_PARAMS, dg.AssetKey(["qa", "qa_items"]), *EMBEDDINGS],
           group_name="evaluation", kinds={"duckdb", "parquet"}, pool="gpu", code_version="1",
-          automation_condition=dg.AutomationCondition.eager())
+          automation_condition=on_data_version_change())
 def gsrm_recall(context: dg.AssetExecutionContext, config: GsrmRecallConfig, warehouse: WarehouseResource,
                 encoder: EncoderResource) -> dg.MaterializeResult:
     """Recall@10 and Recall@N of GSRM's ranked list for k = 0..max(K, 3) over every test item with gold

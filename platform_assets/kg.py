@@ -11,6 +11,7 @@ import dagster as dg
 from dagster_dbt import DagsterDbtTranslator, DagsterDbtTranslatorSettings, DbtCliResource, dbt_assets
 
 from medgraph.s3 import S3Lake, install_httpfs
+from platform_assets.automation import on_data_version_change
 from platform_assets.dbt_project import dbt_project
 from resources import WarehouseResource
 
@@ -23,7 +24,7 @@ class KgTranslator(DagsterDbtTranslator):
         return "kg" if "marts" in dbt_resource_props.get("fqn", []) else "kg_staging"
 
     def get_automation_condition(self, dbt_resource_props: Mapping[str, Any]) -> dg.AutomationCondition | None:
-        return dg.AutomationCondition.eager()
+        return on_data_version_change()
 
 
 @dbt_assets(
@@ -35,6 +36,7 @@ class KgTranslator(DagsterDbtTranslator):
 def kg_dbt_models(context: dg.AssetExecutionContext, dbt: DbtCliResource, warehouse: WarehouseResource):
     """Staging views over `umls.*`, then `kg.kg_nodes`, `kg.kg_edges`, `kg.kg_node_text`, `kg.kg_relations`."""
     store = warehouse.open()
+    store.repoint_lake_views()  # dbt opens the file itself: the umls views must read this home's lake
     args = ["build", "--vars", json.dumps({"warehouse_path": str(store.path)})]
     lake_env: dict[str, str] = {}
     if isinstance(store.lake, S3Lake):
@@ -43,6 +45,7 @@ def kg_dbt_models(context: dg.AssetExecutionContext, dbt: DbtCliResource, wareho
         lake_env = dbt_s3_environment(store.lake)
     # dagster-dbt copies os.environ into the dbt process when cli() is called: the lake's variables
     # (credentials among them) exist only for that call, never as arguments (arguments are logged).
+    # A subset of the models runs only the tests it can (`indirect_selection` in dbt/dbt_project.yml).
     with _environment(lake_env):
         invocation = dbt.cli(args, context=context)
     yield from invocation.stream()

@@ -95,7 +95,7 @@ def _base_model(llm: LlmResource) -> TransformersChatModel:
     pool="gpu",
     code_version="1",
     tags={"medgraph/accelerator": "gpu"},
-    automation_condition=dg.AutomationCondition.eager(),
+    automation_condition=None,  # retrained by the weekly_retraining schedule: see platform_assets/automation.py
 )
 def graph_r1_sft(context: dg.AssetExecutionContext, config: GraphR1SftConfig, warehouse: WarehouseResource,
                  encoder: EncoderResource, llm: LlmResource, mlflow_tracking: MlflowResource) -> dg.MaterializeResult:
@@ -180,7 +180,7 @@ def _sft_start_uri(context: dg.AssetExecutionContext, tracking: Tracking) -> str
     pool="gpu",
     code_version="1",
     tags={"medgraph/accelerator": "gpu"},
-    automation_condition=dg.AutomationCondition.eager(),
+    automation_condition=None,  # retrained by the weekly_retraining schedule: see platform_assets/automation.py
 )
 def graph_r1_policy(context: dg.AssetExecutionContext, config: GraphR1PolicyConfig, warehouse: WarehouseResource,
                     encoder: EncoderResource, mlflow_tracking: MlflowResource) -> dg.MaterializeResult:

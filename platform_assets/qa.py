@@ -5,6 +5,7 @@ from pathlib import Path
 import dagster as dg
 
 from medgraph.kg.qa import generate_qa_items, gold_pairs_in_two_splits
+from platform_assets.automation import on_data_version_change
 from resources import WarehouseResource
 
 KG_INPUTS = [dg.AssetKey(["kg", "kg_nodes"]), dg.AssetKey(["kg", "kg_edges"])]
@@ -22,7 +23,7 @@ class QaConfig(dg.Config):
     group_name="qa",
     kinds={"duckdb", "parquet", "json"},
     pool="warehouse",
-    automation_condition=dg.AutomationCondition.eager(),
+    automation_condition=on_data_version_change(),
     code_version="2",
 )
 def qa_items(context: dg.AssetExecutionContext, config: QaConfig, warehouse: WarehouseResource) -> dg.MaterializeResult:

@@ -5,6 +5,7 @@ import dagster as dg
 
 from medgraph.text.corpus import DEFAULT_SOURCES, build_corpus_chunks, mention_coverage
 from medgraph.text.mentions import link_chunk_mentions
+from platform_assets.automation import on_data_version_change
 from resources import WarehouseResource
 
 
@@ -24,7 +25,7 @@ class CorpusConfig(dg.Config):
     group_name="text",
     kinds={"duckdb", "parquet"},
     pool="warehouse",
-    automation_condition=dg.AutomationCondition.eager(),
+    automation_condition=on_data_version_change(),
     code_version="2",
 )
 def corpus_chunks(context: dg.AssetExecutionContext, config: CorpusConfig,
@@ -49,11 +50,11 @@ class MentionsConfig(dg.Config):
         dg.AssetSpec(["kg", "kg_chunk_mentions"], deps=[corpus_chunks, dg.AssetKey(["kg", "kg_nodes"])],
                      description="Concepts each chunk mentions (exact and fuzzy name matches, with offsets).",
                      kinds={"duckdb", "parquet"}, group_name="text",
-                     automation_condition=dg.AutomationCondition.eager()),
+                     automation_condition=on_data_version_change()),
         dg.AssetSpec(["kg", "kg_chunk_links"], deps=[corpus_chunks, dg.AssetKey(["kg", "kg_nodes"])],
                      description="Chunk-chunk edges between chunks that mention a common concept.",
                      kinds={"duckdb", "parquet"}, group_name="text",
-                     automation_condition=dg.AutomationCondition.eager()),
+                     automation_condition=on_data_version_change()),
     ],
     pool="warehouse",
     code_version="2",

@@ -1,10 +1,14 @@
 """UMLS release -> `umls.*` tables (Parquet in the lake, views in the warehouse)."""
 
+import hashlib
+
 import dagster as dg
 
 from medgraph.umls import checks
 from medgraph.umls.ingest import ingest_rrf_file
+from medgraph.umls.release import release_fingerprint
 from medgraph.umls.schema import INGESTED, MRCONSO, MRREL, RrfLayout
+from platform_assets.automation import on_data_version_change
 from resources import UmlsReleaseResource, WarehouseResource
 
 GROUP = "umls"
@@ -43,7 +47,7 @@ def _table_asset(layout: RrfLayout) -> dg.AssetsDefinition:
         kinds={"duckdb", "parquet"},
         pool="warehouse",
         code_version=INGEST_CODE_VERSION,
-        automation_condition=dg.AutomationCondition.eager(),
+        automation_condition=on_data_version_change(),
         description=f"{layout.description} ({layout.filename}) rows that pass the release filters, "
         f"as zstd Parquet in the lake and the view `umls.{layout.table}`.",
     )
@@ -51,7 +55,8 @@ def _table_asset(layout: RrfLayout) -> dg.AssetsDefinition:
         context: dg.AssetExecutionContext, config: IngestConfig, release: UmlsReleaseResource,
         warehouse: WarehouseResource,
     ) -> dg.MaterializeResult:
-        stats = ingest_rrf_file(release.path(), layout, warehouse.open(), release.filters(),
+        release_dir, filters = release.path(), release.filters()
+        stats = ingest_rrf_file(release_dir, layout, warehouse.open(), filters,
                                 quarantine=config.quarantine_bad_rows, check_mrfiles=config.check_mrfiles)
         if not stats.completeness.startswith("verified"):
             context.log.warning(f"{layout.filename}: completeness {stats.completeness}")
@@ -63,7 +68,12 @@ def _table_asset(layout: RrfLayout) -> dg.AssetsDefinition:
         metadata["dagster/table_name"] = f"umls.{layout.table}"
         # Lineage: which release these rows came from, even when the source was never observed.
         metadata["release_fingerprint"] = release.fingerprint()[0]
-        return dg.MaterializeResult(metadata=metadata)
+        # The data version is this table's content: its own RRF files, the filters and the ingestion code, so
+        # re-ingesting unchanged files (from the UI, without observing the release) changes nothing downstream
+        # and a revised file changes only this table's descendants.
+        content = f"{INGEST_CODE_VERSION}|{release_fingerprint(release_dir, (layout,))}|{filters}|{config.quarantine_bad_rows}"
+        return dg.MaterializeResult(metadata=metadata,
+                                    data_version=dg.DataVersion(hashlib.sha256(content.encode()).hexdigest()[:16]))
 
     return _ingest
 

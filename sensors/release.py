@@ -2,10 +2,15 @@
 
 The cursor is the fingerprint last acted on, so an unchanged release (or one
 touched without a content change) requests nothing, and the run key makes a
-repeated evaluation of the same change idempotent.
+repeated evaluation of the same change idempotent. A change is also recorded as an
+observation of `umls_release` (data version = the fingerprint) before the run starts,
+so the ingested tables get new data versions and automation propagates the change
+(platform_assets/automation.py); without it their versions would stay those of the
+last observed release.
 """
 
 import dagster as dg
+from dagster._core.definitions.data_version import DATA_VERSION_TAG
 
 from jobs import umls_ingest_job
 from medgraph.umls.release import MissingRrfFileError
@@ -22,7 +27,11 @@ def umls_release_sensor(context: dg.SensorEvaluationContext, release: UmlsReleas
     if fingerprint == context.cursor:
         return dg.SensorResult(skip_reason=f"release at {path} unchanged ({fingerprint})")
     context.log.info(f"release at {path}: fingerprint {context.cursor or 'none'} -> {fingerprint}")
+    observation = dg.AssetObservation(asset_key="umls_release", tags={DATA_VERSION_TAG: fingerprint},
+                                      metadata={"path": dg.MetadataValue.path(path), "fingerprint": fingerprint,
+                                                "profile": release.profile})
     return dg.SensorResult(
+        asset_events=[observation],
         run_requests=[dg.RunRequest(run_key=f"umls-release-{fingerprint}",
                                     tags={"medgraph/release_fingerprint": fingerprint, "medgraph/release_path": path})],
         cursor=fingerprint,

@@ -126,7 +126,7 @@ def kg_warehouse(tiny_release: Path, tmp_path_factory: pytest.TempPathFactory) -
 
 
 def copy_warehouse(warehouse: Warehouse, home: Path) -> Warehouse:
-    """A private copy of a warehouse and its lake (the umls views point at the original lake files)."""
+    """A private copy of a warehouse and its lake (its views are re-pointed at the copy's lake when opened)."""
     home.mkdir(parents=True, exist_ok=True)
     shutil.copy2(warehouse.path, home / "warehouse.duckdb")
     shutil.copytree(warehouse.lake.root, home / "lake")

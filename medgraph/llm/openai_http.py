@@ -87,6 +87,9 @@ class OpenAIChatModel(ChatModel):
         self.url = f"{self.base_url}/chat/completions"
         self.api_key = api_key if api_key is not None else api_key_from_env()
         self.timeout_s, self.max_retries, self.concurrency = timeout_s, max_retries, concurrency
+        # time.monotonic() by which every request must have ended (the caller's own time limit, e.g.
+        # `medgraph ask --timeout`): each request waits at most until then, and no retry starts after it.
+        self.deadline: float | None = None
         self.backoff_s, self.max_backoff_s = backoff_s, max_backoff_s
         # False: a request that fails for good becomes a Completion with finish_reason "error" (and the
         # message in extra["error"]) instead of failing the whole batch.
@@ -140,8 +143,14 @@ class OpenAIChatModel(ChatModel):
         problem = ""
         for attempt in range(self.max_retries + 1):
             response = None
+            timeout = self.timeout_s
+            if self.deadline is not None:
+                timeout = min(timeout, self.deadline - time.monotonic())
+                if timeout <= 0:
+                    raise LlmRequestError(f"POST {self.url}: no reply before the caller's time limit ran out"
+                                          + (f" ({problem})" if problem else ""), None, self.url)
             try:
-                response = self._session().post(self.url, json=payload, timeout=self.timeout_s)
+                response = self._session().post(self.url, json=payload, timeout=timeout)
             except (requests.ConnectionError, requests.Timeout) as error:
                 problem = f"{type(error).__name__}: {error}"
             else:
@@ -157,7 +166,10 @@ class OpenAIChatModel(ChatModel):
                                           f"(model {self.model_id!r}): {message}", response.status_code, self.url)
                 problem = f"HTTP {response.status_code}: {message}"
             if attempt < self.max_retries:
-                time.sleep(self._backoff(attempt, response))
+                pause = self._backoff(attempt, response)
+                if self.deadline is not None:
+                    pause = min(pause, max(0.0, self.deadline - time.monotonic()))
+                time.sleep(pause)
         status = response.status_code if response is not None else None
         raise LlmRequestError(f"POST {self.url} failed after {self.max_retries + 1} attempts: {problem}",
                               status, self.url)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import gzip
 import logging
+import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -190,6 +191,7 @@ def ingest_rrf_file(
     """
     started = time.perf_counter()
     layout = rrf if isinstance(rrf, RrfLayout) else layout_named(rrf)
+    remove_stale_staging(warehouse.lake, layout.table)
     source = rrf_source(release_dir, layout)
     # Before parsing: a truncated .gz, a missing split part, non-UTF-8 bytes or a file that is not
     # what MRFILES.RRF declares fails here, in one read, rather than being ingested as fewer rows.
@@ -259,6 +261,25 @@ def ingest_rrf_file(
     )
     log.info("%s: %d rows in, %d kept, %d rejected in %.1fs", layout.filename, rows_in, written, len(rejected), stats.seconds)
     return stats
+
+
+def remove_stale_staging(lake: Lake | S3Lake, table: str) -> list[Path]:
+    """Delete staging files `lake/umls/.<table>.<12 hex>.tmp.parquet` (and of `<table>_rejects`) that a killed
+    ingestion left behind; the removed paths. Safe at the start of an ingestion of that table: the
+    `warehouse` pool runs one ingestion at a time, and readers' snapshots (`.<table>.snapshot.*`) never match.
+    A local lake only: S3 staging objects are not listed here."""
+    if not isinstance(lake, Lake):
+        return []
+    pattern = re.compile(rf"\.{re.escape(table)}(_rejects)?\.[0-9a-f]{{12}}\.tmp\.parquet")
+    removed = []
+    for path in sorted((lake.root / SCHEMA).glob(f".{table}*.tmp.parquet")):
+        if pattern.fullmatch(path.name):
+            path.unlink(missing_ok=True)
+            removed.append(path)
+    if removed:
+        log.warning("removed %d stale staging file(s) of umls.%s left by an interrupted ingestion: %s",
+                    len(removed), table, ", ".join(p.name for p in removed))
+    return removed
 
 
 def _refuse_failing_stage(con: duckdb.DuckDBPyConnection, layout: RrfLayout, staging: Path | str) -> None:
