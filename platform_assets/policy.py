@@ -19,22 +19,24 @@ from pathlib import Path
 import dagster as dg
 import mlflow
 
-from medgraph.llm.hf import TransformersChatModel
+from medgraph.llm.hf import TransformersChatModel, autocast
 from medgraph.methods.graph_r1 import GraphR1Env
 from medgraph.retrieval import Retriever
 from medgraph.rl.grpo import GrpoConfig, resume_dir, train_grpo, training_curves_figure
-from medgraph.rl.model import autocast, save_policy
+from medgraph.rl.model import save_policy
 from medgraph.rl.policy import (
     POLICY_GATE,
     POLICY_MODEL_NAME,
     SFT_GATE,
     SFT_MODEL_NAME,
+    VALIDATION_KEY_TAG,
     base_model_baseline,
     download_checkpoint,
     log_policy,
+    recorded_validation,
     sft_start_baseline,
 )
-from medgraph.rl.rollout import evaluate
+from medgraph.rl.rollout import evaluate, validation_key
 from medgraph.rl.sft import SftConfig, expert_demonstrations, load_qa_items, train_sft
 from medgraph.settings import load_settings
 from medgraph.tracking import Tracking
@@ -115,6 +117,7 @@ def graph_r1_sft(context: dg.AssetExecutionContext, config: GraphR1SftConfig, wa
         demos = expert_demonstrations(env, load_qa_items(store, "train", sft_config.train_items, sft_config.seed))
         context.log.info(f"SFT: {demos.as_metadata()}; {len(valid)} validation questions")
         mlflow.log_params({**{k: str(v) for k, v in sft_config.as_dict().items()}, "base_model": base.name})
+        mlflow.set_tag(VALIDATION_KEY_TAG, validation_key(valid, sft_config.graph_r1))  # evaluate()'s defaults
         mlflow.log_metrics(demos.as_metadata())
         with autocast(base.device, sft_config.bf16, generation=True):
             before = evaluate(base, env, valid) if evaluate_base else {}
@@ -202,9 +205,15 @@ def graph_r1_policy(context: dg.AssetExecutionContext, config: GraphR1PolicyConf
             raise dg.Failure("no validation questions: the champion gate needs them (qa/qa_items split 'validation')")
         mlflow.log_params({**{k: str(v) for k, v in grpo_config.as_dict().items()}, "sft_model_uri": sft_uri})
         mlflow.set_tag("checkpoint_dir", str(work))
+        key = validation_key(valid[: grpo_config.valid_items], grpo_config.graph_r1, grpo_config.eval_batch_size,
+                             grpo_config.reward_variant, grpo_config.format_weight)
+        start_validation = recorded_validation(tracking, sft_uri, key)
+        if start_validation is not None:
+            context.log.info(f"step 0: {sft_uri}'s validation as its SFT run recorded it (same key {key})")
         result = train_grpo(start, env, load_qa_items(store, "train"), valid, grpo_config,
                             checkpoint_dir=work / "checkpoints", resume=config.resume, name="graph-r1-policy",
-                            log_fn=lambda step, metrics: mlflow.log_metrics(metrics, step=step))
+                            log_fn=lambda step, metrics: mlflow.log_metrics(metrics, step=step),
+                            start_validation=start_validation)
         mlflow.log_metrics({k: v for k, v in result.metrics.items() if not k.startswith("valid_")},
                            step=grpo_config.steps)
         mlflow.log_dict({"history": result.history}, "training.json")

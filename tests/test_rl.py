@@ -28,6 +28,8 @@ from medgraph.methods.graph_r1 import GraphR1Config, GraphR1Env, GraphR1State
 from medgraph.methods.registry import make_config, method_of
 from medgraph.retrieval import Retriever
 from medgraph.rl.grpo import (
+    SMALL_ENV,
+    TINY_ENV,
     GrpoConfig,
     _final_metrics,
     clipped_objective,
@@ -43,14 +45,16 @@ from medgraph.rl.policy import (
     POLICY_MODEL_NAME,
     SFT_GATE,
     SFT_MODEL_NAME,
+    VALIDATION_KEY_TAG,
     base_model_baseline,
     choose_policy,
     load_champion_policy,
     load_chosen_policy,
+    recorded_validation,
     sft_start_baseline,
 )
 from medgraph.rl.rewards import episode_reward
-from medgraph.rl.rollout import encode_conversation, generation_config, rollout
+from medgraph.rl.rollout import encode_conversation, generation_config, rollout, validation_key
 from medgraph.rl.scale import VllmRollouts
 from medgraph.rl.sft import SftConfig, expert_demonstrations, load_qa_items, train_sft
 from medgraph.storage import Warehouse
@@ -401,6 +405,31 @@ def test_sft_gate_refuses_a_first_policy_worse_than_the_base_model_and_accepts_a
     assert tracking.champion_version(SFT_MODEL_NAME) == better
 
 
+def test_grpo_takes_its_sft_starts_validation_only_when_it_is_the_same_measurement(mlflow_db: Path, tmp_path: Path):
+    import mlflow
+
+    tracking = Tracking(f"sqlite:///{mlflow_db}", str(tmp_path / "artifacts"))
+    for profile in ("demo", "full"):  # the shipped profiles validate SFT and GRPO alike, so step 0 is reused
+        sft, grpo = SftConfig.profile(profile), GrpoConfig.profile(profile)
+        assert (sft.valid_items, sft.seed, sft.graph_r1) == (grpo.valid_items, grpo.seed, grpo.graph_r1)
+        assert validation_key([], sft.graph_r1) == validation_key(
+            [], grpo.graph_r1, grpo.eval_batch_size, grpo.reward_variant, grpo.format_weight)
+    items = [QaItem("kgqa_short", "q1", "?", {}, "a"), QaItem("kgqa_short", "q2", "?", {}, "b")]
+    key = validation_key(items, SMALL_ENV)
+    assert key != validation_key(items[:1], SMALL_ENV) and key != validation_key(items, TINY_ENV)
+    assert key != validation_key(items, SMALL_ENV, reward_variant="authors")
+    with tracking.start_run(SFT_MODEL_NAME):
+        mlflow.set_tag(VALIDATION_KEY_TAG, key)
+        mlflow.log_metrics({"valid_reward": 0.25, "valid_accuracy": 0.125, "valid_base_reward": 0.0,
+                            "train_nll_last": 1.5})
+        uri = tracking.log_torch_model(torch.nn.Linear(2, 1))
+    version = tracking.register(uri, SFT_MODEL_NAME)
+    start = f"models:/{SFT_MODEL_NAME}/{version}"
+    assert recorded_validation(tracking, start, key) == {"valid_reward": 0.25, "valid_accuracy": 0.125}
+    assert recorded_validation(tracking, start, validation_key(items[:1], SMALL_ENV)) is None  # other questions
+    assert recorded_validation(tracking, uri, key) is None  # not a registered version: measured again
+
+
 def test_evaluation_picks_the_grpo_champion_else_the_sft_champion_else_the_base_llm(mlflow_db: Path,
                                                                                    tmp_path: Path):
     uri = f"sqlite:///{mlflow_db}"
@@ -475,6 +504,8 @@ def test_policy_assets_train_register_and_load_the_champion(qa_warehouse: Wareho
     assert metadata["promoted"].value is (metadata["valid_reward"].value > metadata["valid_reward_start"].value
                                           and metadata["valid_accuracy"].value >= metadata["valid_accuracy_start"].value)
     assert metadata["sft_model_uri"].value == sft.metadata["model_uri"].value
+    if sft.metadata["promoted"].value:  # GRPO starts from the SFT champion, whose validation step 0 takes over
+        assert metadata["valid_reward_start"].value == sft.metadata["valid_reward"].value
     champion_version = "1" if metadata["promoted"].value else "None"
     assert policy.tags["dagster/data_version"] == f"{POLICY_MODEL_NAME}@champion=v{champion_version}"
 

@@ -38,6 +38,7 @@ from medgraph.gnn.model import GatModel
 from medgraph.kg.graph import KnowledgeGraph, Triple
 from medgraph.kg.qa import QaItem
 from medgraph.llm.base import ChatModel, Message
+from medgraph.llm.hf import autocast
 from medgraph.methods.a2rag import A2RagConfig, answer_conversation, gsrm_refine
 from medgraph.s3 import S3Lake
 from medgraph.storage import Lake, Warehouse, open_warehouse
@@ -134,6 +135,7 @@ class ProjectorConfig:
     valid_items: int = 64  # validation questions scored after training (and before, as the baseline)
     eval_every: int = 50
     seed: int = 0
+    bf16: bool = True  # autocast of the (frozen) LLM's passes on CUDA and on CPUs with native bf16
     progress: bool = False
 
     @classmethod
@@ -286,9 +288,9 @@ def answer_nll(llm: ChatModel, examples: Sequence[ProjectorExample], graph_token
 
 
 def _mean_nll(llm: ChatModel, tokenizer: GraphTokenizer | None, examples: Sequence[ProjectorExample],
-              batch_size: int) -> float:
+              batch_size: int, bf16: bool = False) -> float:
     total = 0.0
-    with torch.no_grad():
+    with torch.no_grad(), autocast(str(llm.model.device), bf16):
         for start in range(0, len(examples), batch_size):
             batch = examples[start: start + batch_size]
             tokens = [tokenizer.encode(e.triples) for e in batch] if tokenizer else None
@@ -323,22 +325,23 @@ def train_projector(llm: ChatModel, gat: GatModel, features: NodeFeatures, train
     valid = list(valid)[: config.valid_items]
     # Frozen GAT: each training question's triple vectors are computed once.
     cached = {e.qid: tokenizer.triple_vectors(e.triples) for e in train}
-    text_only = _mean_nll(llm, None, valid, config.batch_size)
-    history = [{"step": 0, "valid_answer_nll": _mean_nll(llm, tokenizer, valid, config.batch_size)}]
+    text_only = _mean_nll(llm, None, valid, config.batch_size, config.bf16)
+    history = [{"step": 0, "valid_answer_nll": _mean_nll(llm, tokenizer, valid, config.batch_size, config.bf16)}]
     log.info("projector: text-only valid NLL %.4f, untrained graph tokens %.4f (token norm %.3f)",
              text_only, history[0]["valid_answer_nll"], token_norm)
     rng = random.Random(config.seed)
     started = time.perf_counter()
     for step in tqdm(range(1, config.steps + 1), desc="hiim projector", disable=not config.progress):
         batch = rng.sample(list(train), min(config.batch_size, len(train)))
-        tokens = [projector(cached[e.qid].to(llm.model.device)) for e in batch]
-        loss = answer_nll(llm, batch, tokens).mean()
+        with autocast(str(llm.model.device), config.bf16):
+            tokens = [projector(cached[e.qid].to(llm.model.device)) for e in batch]
+            loss = answer_nll(llm, batch, tokens).mean()
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
         record = {"train_answer_nll": float(loss.detach())}
         if step % config.eval_every == 0 or step == config.steps:
-            record["valid_answer_nll"] = _mean_nll(llm, tokenizer, valid, config.batch_size)
+            record["valid_answer_nll"] = _mean_nll(llm, tokenizer, valid, config.batch_size, config.bf16)
             history.append({"step": step, **record})
         if log_fn:
             log_fn(step, record)

@@ -34,6 +34,7 @@ rows for training the projector with the LLM frozen.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import time
@@ -67,6 +68,18 @@ def cpu_has_bf16() -> bool:
     except OSError:  # not Linux: assume emulated
         return False
     return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def autocast(device: str, bf16: bool = True, generation: bool = False) -> contextlib.AbstractContextManager:
+    """bf16 autocast on CUDA; on CPUs with native bf16 only for training passes (forward and
+    backward over whole sequences: 1.6x faster for SmolLM2 on an EPYC), not for generation, whose
+    one-token steps pay a cast of every weight (48 tokens: 9.5 s instead of 6.3 s). Master weights
+    stay float32."""
+    if bf16 and str(device).startswith("cuda"):
+        return torch.autocast("cuda", dtype=torch.bfloat16)
+    if bf16 and not generation and str(device) == "cpu" and cpu_has_bf16():
+        return torch.autocast("cpu", dtype=torch.bfloat16)
+    return contextlib.nullcontext()
 
 
 def resolve_dtype(dtype: str | torch.dtype | None, device: str) -> torch.dtype | str:

@@ -45,12 +45,11 @@ import torch
 from tqdm.auto import tqdm
 
 from medgraph.kg.qa import QaItem
-from medgraph.llm.hf import TransformersChatModel
+from medgraph.llm.hf import TransformersChatModel, autocast
 from medgraph.methods.graph_r1 import GraphR1Config, GraphR1Env
 from medgraph.rl.model import (
     POLICY_DIR,
     LoraSettings,
-    autocast,
     checkpoint_state,
     frozen_reference,
     is_lora,
@@ -285,9 +284,13 @@ def grpo_update(policy: TransformersChatModel, loss_model: torch.nn.Module, refe
 
 def train_grpo(model_dir: str | Path, env: GraphR1Env, train: Sequence[QaItem], valid: Sequence[QaItem],
                config: GrpoConfig, *, checkpoint_dir: Path | None = None, resume: bool = True,
-               log_fn: Callable[[int, dict[str, float]], None] | None = None, name: str | None = None) -> GrpoResult:
+               log_fn: Callable[[int, dict[str, float]], None] | None = None, name: str | None = None,
+               start_validation: Mapping[str, float] | None = None) -> GrpoResult:
     """GRPO from the checkpoint in `model_dir` (the cold-start SFT policy); returns the trained policy
-    (LoRA not yet merged: `model.save_policy` merges) and its validation metrics before and after."""
+    (LoRA not yet merged: `model.save_policy` merges) and its validation metrics before and after.
+
+    `start_validation`: the starting policy's `valid_*` metrics as already measured on the same
+    validation (same `rollout.validation_key`), used as step 0 instead of validating again."""
     if not train:
         raise ValueError("GRPO needs training questions: materialize qa/qa_items")
     dist = Distributed.from_env()
@@ -327,7 +330,10 @@ def train_grpo(model_dir: str | Path, env: GraphR1Env, train: Sequence[QaItem], 
         return {f"valid_{k}": v for k, v in metrics.items()}
 
     if start == 0 and valid and dist.is_main:
-        history.append({"step": 0, **validate()})
+        if start_validation is not None:
+            log.info("GRPO step 0: the starting policy's recorded validation (same questions, environment, "
+                     "batching and reward), not measured again")
+        history.append({"step": 0, **(dict(start_validation) if start_validation is not None else validate())})
         log_fn(0, history[-1])
     for step in tqdm(range(start + 1, config.steps + 1), desc="grpo", disable=not (config.progress and dist.is_main),
                      initial=start, total=config.steps):

@@ -19,7 +19,6 @@ checkpoint intact.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import shutil
@@ -30,7 +29,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from medgraph.llm.hf import TransformersChatModel, cpu_has_bf16
+from medgraph.llm.hf import TransformersChatModel
 from medgraph.rl.rollout import EncodedConversation
 
 POLICY_DIR = "policy"
@@ -195,15 +194,3 @@ def token_logprobs(model: nn.Module, batch: TokenBatch) -> torch.Tensor:
     logits = model(input_ids=batch.ids, attention_mask=batch.attention, logits_to_keep=batch.keep,
                    use_cache=False).logits.float()
     return logits.gather(-1, batch.targets.unsqueeze(-1)).squeeze(-1) - logits.logsumexp(-1)
-
-
-def autocast(device: str, bf16: bool = True, generation: bool = False) -> contextlib.AbstractContextManager:
-    """bf16 autocast on CUDA; on CPUs with native bf16 only for training passes (forward and
-    backward over whole sequences: 1.6x faster for SmolLM2 on an EPYC), not for generation, whose
-    one-token steps pay a cast of every weight (48 tokens: 9.5 s instead of 6.3 s). Master weights
-    stay float32."""
-    if bf16 and str(device).startswith("cuda"):
-        return torch.autocast("cuda", dtype=torch.bfloat16)
-    if bf16 and not generation and str(device) == "cpu" and cpu_has_bf16():
-        return torch.autocast("cpu", dtype=torch.bfloat16)
-    return contextlib.nullcontext()

@@ -45,12 +45,26 @@ SFT_MODEL_NAME = MODEL_NAMES["graph_r1_sft"]
 POLICY_GATE = Gate("valid_reward", not_worse=("valid_accuracy",))  # GRPO vs its SFT start (or the champion)
 SFT_GATE = POLICY_GATE  # SFT vs the base model (or the champion)
 CHECKPOINT_ARTIFACT = "checkpoint"
+VALIDATION_KEY_TAG = "validation_key"  # on a policy's run: `rollout.validation_key` of its valid_* metrics
 
 
 def sft_start_baseline(metrics: Mapping[str, float], sft_uri: str) -> Baseline:
     """The GRPO gate's baseline: the SFT policy it started from, validated at step 0 (`valid_*_start`)."""
     return Baseline(f"SFT start {sft_uri}", {m: metrics[f"{m}_start"] for m in POLICY_GATE.metrics
                                              if f"{m}_start" in metrics})
+
+
+def recorded_validation(tracking: Tracking, model_uri: str, key: str) -> dict[str, float] | None:
+    """The `valid_*` metrics the run that logged the registered `models:/<name>/<version>` recorded for its
+    policy, if that validation has `key` (`rollout.validation_key`); else None (measure it again)."""
+    name, _, version = model_uri.removeprefix("models:/").partition("/")
+    if not model_uri.startswith("models:/") or not version.isdigit():
+        return None
+    client = tracking.client
+    run = client.get_run(client.get_model_version(name, version).run_id)
+    if run.data.tags.get(VALIDATION_KEY_TAG) != key:
+        return None
+    return {k: v for k, v in run.data.metrics.items() if k.startswith("valid_") and not k.startswith("valid_base_")}
 
 
 def base_model_baseline(before: Mapping[str, float], base_name: str) -> Baseline:

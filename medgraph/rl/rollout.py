@@ -19,13 +19,15 @@ that drops earlier thoughts, say) is refused rather than trained on wrongly.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 from medgraph.kg.qa import QaItem
 from medgraph.llm.base import ChatModel, GenerationConfig, Message
-from medgraph.methods.graph_r1 import STOP, GraphR1Env, GraphR1State, restore_stop
+from medgraph.methods.graph_r1 import STOP, GraphR1Config, GraphR1Env, GraphR1State, restore_stop
 from medgraph.rl.rewards import Reward, episode_reward
 
 
@@ -147,6 +149,17 @@ def generation_config(max_new_tokens: int, temperature: float, top_p: float = 1.
     """Decoding for Graph-R1 turns: stop at the closing tag of an action."""
     return GenerationConfig(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, stop=STOP,
                             seed=seed)
+
+
+def validation_key(items: Sequence[QaItem], env_config: GraphR1Config, batch_size: int = 16,
+                   reward_variant: str = "paper", format_weight: float = 0.1) -> str:
+    """Everything an `evaluate` of one policy depends on besides the policy: the questions, the environment
+    (and its decoding budget), the batching and the reward (defaults: `evaluate`'s and `episode_reward`'s).
+    Two validations of the same policy with the same key are the same measurement, so GRPO takes its SFT
+    start's step-0 validation from the SFT run instead of repeating it."""
+    spec = {"qids": [item.qid for item in items], "env": asdict(env_config), "batch_size": batch_size,
+            "reward": [reward_variant, format_weight]}
+    return hashlib.sha256(json.dumps(spec, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
 def evaluate(policy: ChatModel, env: GraphR1Env, items: Sequence[QaItem], batch_size: int = 16,

@@ -41,12 +41,11 @@ from tqdm.auto import tqdm
 
 from medgraph.kg.graph import Triple
 from medgraph.kg.qa import QaItem
-from medgraph.llm.hf import TransformersChatModel
+from medgraph.llm.hf import TransformersChatModel, autocast
 from medgraph.methods.graph_r1 import EnvStep, GraphR1Config, GraphR1Env, GraphR1State
 from medgraph.rl.grpo import SMALL_ENV, TINY_ENV
 from medgraph.rl.model import (
     LoraSettings,
-    autocast,
     load_trainable,
     make_batch,
     token_logprobs,
