@@ -276,6 +276,28 @@ def test_truncated_and_non_utf8_mirage_files_name_the_file_and_line(tmp_path: Pa
         dataset_names(f"mirage:{latin1}", tmp_path)
 
 
+def test_non_utf8_and_non_object_jsonl_lines_name_the_file_and_line(tmp_path: Path):
+    from medgraph.eval.benchmarks import load_jsonl
+
+    good = json.dumps({"question": "Which drug?", "options": {"A": "x", "B": "y"}, "answer": "A"})
+    latin1 = tmp_path / "latin1.jsonl"
+    latin1.write_bytes((good + "\n" + good.replace("Which", "Caf\u00e9") + "\n").encode("latin-1"))
+    with pytest.raises(BenchmarkFormatError, match=rf"^{latin1}:2: not UTF-8 \(byte 0xe9 at column 18\)"):
+        load_jsonl(latin1)  # was a raw UnicodeDecodeError without file or line
+    listed = tmp_path / "listed.jsonl"
+    listed.write_text(good + "\n" + json.dumps(["question", "answer"]) + "\n", encoding="utf-8")
+    with pytest.raises(BenchmarkFormatError, match=rf"^{listed}:2: expected an object .* found list"):
+        load_jsonl(listed)  # a list holding "question" and "answer" passed the field check before
+
+
+@pytest.mark.parametrize("field, value", [("languages", ()), ("sabs", ()), ("languages", ("",)), ("max_srl", 12)])
+def test_ingest_filters_that_keep_nothing_are_refused(field: str, value: object):
+    from medgraph.umls.filters import IngestFilters
+
+    with pytest.raises(ValueError, match=rf"^ingest filter {field}="):  # `languages: []` was a raw ParserException
+        IngestFilters(**{field: value})
+
+
 # Fault 2 (per table): an empty MRREL.RRF replaced the good table before the blocking not_empty check ran.
 
 def test_empty_file_does_not_replace_the_table(release_copy: Path, warehouse):

@@ -109,14 +109,23 @@ def load_jsonl(path: Path, dataset: str | None = None) -> list[QaItem]:
     """One question per line: {"question", "options" (object, may be empty), "answer", optional "id"}."""
     dataset = dataset or path.stem
     items = []
-    with open(path, encoding="utf-8") as handle:
-        for number, line in enumerate(handle, start=1):
+    with open(path, "rb") as handle:
+        for number, raw in enumerate(handle, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as error:
+                raise BenchmarkFormatError(
+                    f"{path}:{number}: not UTF-8 (byte {raw[error.start]:#04x} at column {error.start + 1}); "
+                    f"benchmark files are UTF-8: convert the file (e.g. iconv -f latin1 -t utf-8)") from None
             if not line.strip():
                 continue
             try:
                 entry = json.loads(line)
             except json.JSONDecodeError as error:
                 raise BenchmarkFormatError(f"{path}:{number}: not valid JSON ({error.msg})") from None
+            if not isinstance(entry, Mapping):
+                raise BenchmarkFormatError(f"{path}:{number}: expected an object with question, options, answer; "
+                                           f"found {type(entry).__name__}")
             missing = [k for k in ("question", "answer") if k not in entry]
             if missing:
                 raise BenchmarkFormatError(f"{path}:{number}: expected fields question, options, answer; "

@@ -31,6 +31,15 @@ class IngestFilters:
     # SABs whose MRSAB SRL exceeds max_srl; resolved from the release by the ingester.
     restricted_sabs: tuple[str, ...] = field(default=(), compare=False)
 
+    def __post_init__(self) -> None:
+        for name, hint in (("languages", 'MRCONSO.LAT value, e.g. ["ENG"]'), ("sabs", 'source (SAB), e.g. ["HPO"]')):
+            values = getattr(self, name)
+            if values is not None and (not values or not all(isinstance(v, str) and v.strip() for v in values)):
+                raise ValueError(f"ingest filter {name}={list(values)!r} keeps nothing: give at least one {hint}, "
+                                 f"or null to keep every {name[:-1]}")
+        if self.max_srl is not None and not 0 <= self.max_srl <= 9:
+            raise ValueError(f"ingest filter max_srl={self.max_srl!r}: a source restriction level is 0-9 (or null)")
+
     def predicates(self, layout: RrfLayout) -> list[tuple[str, str]]:
         """(filter name, SQL condition a kept row satisfies), in the order applied.
 
