@@ -123,11 +123,13 @@ def graph_r1_sft(context: dg.AssetExecutionContext, config: GraphR1SftConfig, wa
             before = evaluate(base, env, valid) if evaluate_base else {}
         result = train_sft(base.model_dir, demos.states, sft_config, name=f"graph-r1-sft-{base.name}",
                            log_fn=lambda step, metrics: mlflow.log_metrics(metrics, step=step))
+        # Validated as registered: merged (save_policy merges the LoRA adapter), the network GRPO starts from
+        # and evaluation loads, so GRPO's step 0 can take this measurement (merged + a zero adapter is the same).
+        save_policy(result.policy, out)
         with autocast(result.policy.device, sft_config.bf16, generation=True):
             after = evaluate(result.policy, env, valid)
         metrics = {**_prefixed(before, "valid_base_"), **_prefixed(after, "valid_"), **result.metrics}
         mlflow.log_metrics(metrics)
-        save_policy(result.policy, out)
         model_uri = log_policy(out, result.policy.name, metadata={"base_model": base.name,
                                                                   "graph_r1_config": sft_config.as_dict()})
         version, promotion = tracking.register_and_gate(model_uri, SFT_MODEL_NAME, SFT_GATE,

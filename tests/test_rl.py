@@ -39,7 +39,7 @@ from medgraph.rl.grpo import (
     loss_weights,
     train_grpo,
 )
-from medgraph.rl.model import latest_checkpoint, save_policy
+from medgraph.rl.model import LoraSettings, latest_checkpoint, load_trainable, save_policy
 from medgraph.rl.policy import (
     POLICY_GATE,
     POLICY_MODEL_NAME,
@@ -54,7 +54,7 @@ from medgraph.rl.policy import (
     sft_start_baseline,
 )
 from medgraph.rl.rewards import episode_reward
-from medgraph.rl.rollout import encode_conversation, generation_config, rollout, validation_key
+from medgraph.rl.rollout import encode_conversation, evaluate, generation_config, rollout, validation_key
 from medgraph.rl.scale import VllmRollouts
 from medgraph.rl.sft import SftConfig, expert_demonstrations, load_qa_items, train_sft
 from medgraph.storage import Warehouse
@@ -294,6 +294,16 @@ def test_a_few_grpo_steps_raise_the_mean_reward(tiny_sft_dir: Path):
     assert before["format_rate"] > 0.5  # the cold start taught the format; the answer is a coin flip
     assert after["reward"] > before["reward"] + 0.15
     assert result.history[0]["policy_tokens"] > 0 and any(h["kl"] > 0 for h in result.history)
+
+
+def test_a_fresh_lora_engine_validates_exactly_as_the_merged_checkpoint(tiny_sft_dir: Path):
+    """Why GRPO may take its SFT start's validation: the SFT asset validates the merged checkpoint, and GRPO's
+    step-0 engine (that checkpoint plus a zero-initialized LoRA adapter) gives the same greedy episodes."""
+    merged = TransformersChatModel(tiny_sft_dir, device="cpu", dtype="float32")
+    engine = load_trainable(tiny_sft_dir, lora=LoraSettings(8, 16, 0), device="cpu")
+    recorded, fresh = evaluate(merged, TOY_ENV, TOY), evaluate(engine, TOY_ENV, TOY)
+    timing = ("seconds", "tokens_per_second")
+    assert {k: v for k, v in recorded.items() if k not in timing} == {k: v for k, v in fresh.items() if k not in timing}
 
 
 def test_training_resumes_from_its_checkpoint_exactly(tiny_sft_dir: Path, tmp_path: Path):
