@@ -203,8 +203,13 @@ class S3Lake:
         path.parent.mkdir(parents=True, exist_ok=True)
         return path
 
-    def publish(self, staging: str, schema: str, table: str) -> str:
-        return self._promote(staging, self.table_path(schema, table))
+    def publish(self, staging: str, schema: str, table: str, version: str | None = None) -> str:
+        """The staging object becomes the table's key (or, with a `version`, the new key
+        `<table>.<version>.parquet`, as `Lake.publish`)."""
+        return self._promote(staging, self.version_path(schema, table, version))
+
+    def version_path(self, schema: str, table: str, version: str | None) -> str:
+        return self.file_path(schema, f"{table}.{version}.parquet") if version else self.table_path(schema, table)
 
     def _promote(self, staging: str, final: str) -> str:
         # client.copy is boto3's managed copy: multipart server-side copy beyond 5 GB, still atomic at the end.

@@ -94,9 +94,13 @@ class Lake:
         path.parent.mkdir(parents=True, exist_ok=True)
         return path
 
-    def publish(self, staging: Path, schema: str, table: str) -> Path:
-        """Atomically replace the table's file with `staging`."""
-        return self.install(staging, self.table_path(schema, table))
+    def publish(self, staging: Path, schema: str, table: str, version: str | None = None) -> Path:
+        """Atomically replace the table's file with `staging`; with a `version`, move it to the new file
+        `<table>.<version>.parquet` instead (a release publishes several tables, then moves their views at once)."""
+        return self.install(staging, self.version_path(schema, table, version))
+
+    def version_path(self, schema: str, table: str, version: str | None) -> Path:
+        return self.file_path(schema, f"{table}.{version}.parquet") if version else self.table_path(schema, table)
 
     def install(self, local: Path, path: Path) -> Path:
         """Atomically replace the lake file `path` with the local file `local` (from `scratch_path`)."""
@@ -277,14 +281,33 @@ class Warehouse:
 
     def register_parquet_view(self, schema: str, table: str, parquet: Path | str) -> None:
         """Point `schema.table` at a Parquet file, in one transaction."""
+        self.register_parquet_views(schema, {table: parquet})
+
+    def register_parquet_views(self, schema: str, parquet_by_table: dict[str, Path | str]) -> None:
+        """Point every `schema.<table>` at its Parquet file in ONE transaction: readers see all the old
+        files or all the new ones (a UMLS release moves its five tables together)."""
         with self.connect() as con:
             con.execute("BEGIN")
-            con.execute(f"CREATE SCHEMA IF NOT EXISTS {quote_ident(schema)}")
-            con.execute(
-                f"CREATE OR REPLACE VIEW {quote_ident(schema)}.{quote_ident(table)} AS "
-                f"SELECT * FROM read_parquet({sql_literal(str(parquet))})"
-            )
-            con.execute("COMMIT")
+            try:
+                con.execute(f"CREATE SCHEMA IF NOT EXISTS {quote_ident(schema)}")
+                for table, parquet in parquet_by_table.items():
+                    con.execute(
+                        f"CREATE OR REPLACE VIEW {quote_ident(schema)}.{quote_ident(table)} AS "
+                        f"SELECT * FROM read_parquet({sql_literal(str(parquet))})"
+                    )
+                con.execute("COMMIT")
+            except BaseException:
+                con.execute("ROLLBACK")
+                raise
+
+    def view_files(self, schema: str) -> dict[str, list[str]]:
+        """The files each view of `schema` reads (the string literals of its SQL), by view name."""
+        if not self.path.exists():
+            return {}
+        with self.connect(read_only=True) as con:
+            rows = con.execute("SELECT view_name, sql FROM duckdb_views() WHERE NOT internal AND NOT temporary "
+                               "AND database_name = current_database() AND schema_name = ?", [schema]).fetchall()
+        return {view: [m.group(1).replace("''", "'") for m in _SQL_STRING.finditer(sql)] for view, sql in rows}
 
     def count(self, relation: str) -> int:
         with self.connect(read_only=True) as con:

@@ -1,12 +1,12 @@
 """UMLS release -> `umls.*` tables (Parquet in the lake, views in the warehouse)."""
 
 import hashlib
+from collections.abc import Iterator
 
 import dagster as dg
 
 from medgraph.umls import checks
-from medgraph.umls.ingest import ingest_rrf_file
-from medgraph.umls.release import release_fingerprint
+from medgraph.umls.publish import publish_release, stage_release
 from medgraph.umls.schema import INGESTED, MRCONSO, MRREL, RrfLayout
 from platform_assets.automation import on_data_version_change
 from resources import UmlsReleaseResource, WarehouseResource
@@ -38,69 +38,95 @@ class IngestConfig(dg.Config):
     """Fail when a file's rows or bytes differ from MRFILES.RRF (off only for an excerpt of a release)."""
 
 
-def _table_asset(layout: RrfLayout) -> dg.AssetsDefinition:
-    @dg.asset(
-        key_prefix=[GROUP],
-        name=layout.table,
-        deps=[umls_release],
-        group_name=GROUP,
-        kinds={"duckdb", "parquet"},
-        pool="warehouse",
-        code_version=INGEST_CODE_VERSION,
-        automation_condition=on_data_version_change(),
-        description=f"{layout.description} ({layout.filename}) rows that pass the release filters, "
-        f"as zstd Parquet in the lake and the view `umls.{layout.table}`.",
-    )
-    def _ingest(
-        context: dg.AssetExecutionContext, config: IngestConfig, release: UmlsReleaseResource,
-        warehouse: WarehouseResource,
-    ) -> dg.MaterializeResult:
-        release_dir, filters = release.path(), release.filters()
-        stats = ingest_rrf_file(release_dir, layout, warehouse.open(), filters,
-                                quarantine=config.quarantine_bad_rows, check_mrfiles=config.check_mrfiles)
-        if not stats.completeness.startswith("verified"):
-            context.log.warning(f"{layout.filename}: completeness {stats.completeness}")
-        if stats.rejected:
-            context.log.warning(f"{stats.rejected} malformed rows quarantined in umls.{layout.table}_rejects")
-        metadata = stats.as_metadata()
-        metadata["parquet_path"] = dg.MetadataValue.path(stats.parquet_path)
-        metadata["dagster/row_count"] = stats.rows_out
-        metadata["dagster/table_name"] = f"umls.{layout.table}"
-        # Lineage: which release these rows came from, even when the source was never observed.
-        metadata["release_fingerprint"] = release.fingerprint()[0]
-        # The data version is this table's content: its own RRF files, the filters and the ingestion code, so
-        # re-ingesting unchanged files (from the UI, without observing the release) changes nothing downstream
-        # and a revised file changes only this table's descendants.
-        content = f"{INGEST_CODE_VERSION}|{release_fingerprint(release_dir, (layout,))}|{filters}|{config.quarantine_bad_rows}"
-        return dg.MaterializeResult(metadata=metadata,
-                                    data_version=dg.DataVersion(hashlib.sha256(content.encode()).hexdigest()[:16]))
-
-    return _ingest
+UMLS_TABLE_KEYS = [dg.AssetKey([GROUP, layout.table]) for layout in INGESTED]
+_LAYOUT_BY_KEY = dict(zip(UMLS_TABLE_KEYS, INGESTED))
 
 
-def _result(outcome: checks.CheckOutcome, severity: dg.AssetCheckSeverity) -> dg.AssetCheckResult:
-    return dg.AssetCheckResult(passed=outcome.passed, severity=severity, description=outcome.description,
-                               metadata=outcome.metadata)
-
-
-def _table_checks(layout: RrfLayout) -> list[dg.AssetChecksDefinition]:
+def _blocking_check_specs(layout: RrfLayout) -> list[dg.AssetCheckSpec]:
     key = dg.AssetKey([GROUP, layout.table])
+    return [
+        dg.AssetCheckSpec("columns_match_layout", asset=key, blocking=True,
+                          description=f"umls.{layout.table} has exactly the {len(layout.columns)} columns of "
+                          f"{layout.filename}."),
+        dg.AssetCheckSpec("identifiers_well_formed", asset=key, blocking=True,
+                          description="CUIs, AUIs and TUIs match their UMLS formats."),
+        dg.AssetCheckSpec("not_empty", asset=key, blocking=True, description="The table has rows."),
+    ]
 
-    @dg.asset_check(asset=key, name="columns_match_layout", blocking=True,
-                    description=f"umls.{layout.table} has exactly the {len(layout.columns)} columns of {layout.filename}.")
-    def columns_match_layout(warehouse: WarehouseResource) -> dg.AssetCheckResult:
-        return _result(checks.check_columns(warehouse.open(), layout), dg.AssetCheckSeverity.ERROR)
 
-    @dg.asset_check(asset=key, name="identifiers_well_formed", blocking=True,
-                    description="CUIs, AUIs and TUIs match their UMLS formats.")
-    def identifiers_well_formed(warehouse: WarehouseResource) -> dg.AssetCheckResult:
-        return _result(checks.check_identifier_formats(warehouse.open(), layout), dg.AssetCheckSeverity.ERROR)
+# Evaluated on the published table when a check runs without its table (re-run from the UI).
+_PUBLISHED_CHECKS = {"columns_match_layout": checks.check_columns,
+                     "identifiers_well_formed": checks.check_identifier_formats,
+                     "not_empty": checks.check_not_empty}
 
-    @dg.asset_check(asset=key, name="not_empty", blocking=True, description="The table has rows.")
-    def not_empty(warehouse: WarehouseResource) -> dg.AssetCheckResult:
-        return _result(checks.check_not_empty(warehouse.open(), layout), dg.AssetCheckSeverity.ERROR)
 
-    return [columns_match_layout, identifiers_well_formed, not_empty]
+@dg.multi_asset(
+    name="umls_tables",
+    specs=[
+        dg.AssetSpec(
+            key, deps=[umls_release], group_name=GROUP, kinds={"duckdb", "parquet"}, code_version=INGEST_CODE_VERSION,
+            automation_condition=on_data_version_change(),
+            description=f"{layout.description} ({layout.filename}) rows that pass the release filters, "
+            f"as zstd Parquet in the lake and the view `umls.{layout.table}`.",
+        )
+        for key, layout in _LAYOUT_BY_KEY.items()
+    ],
+    check_specs=[spec for layout in INGESTED for spec in _blocking_check_specs(layout)],
+    # Subsettable, so one table can be re-ingested (from the UI, or when automation re-ingests one
+    # table): the selected tables are published together, and publish_release refuses a subset when an
+    # unselected table was published from other RRF content than the release now holds (two releases).
+    can_subset=True,
+    pool="warehouse",
+)
+def umls_release_tables(
+    context: dg.AssetExecutionContext, config: IngestConfig, release: UmlsReleaseResource,
+    warehouse: WarehouseResource,
+) -> Iterator[dg.MaterializeResult | dg.AssetCheckResult]:
+    """Stage every selected table (parse, filters, completeness, blocking checks on the staged rows), then
+    publish them in one transaction: a failure anywhere leaves the whole previous release in place."""
+    layouts = [layout for key, layout in _LAYOUT_BY_KEY.items() if key in context.selected_asset_keys]
+    selected_checks = context.selected_asset_check_keys
+    store = warehouse.open()
+    if layouts:
+        release_dir, filters = release.path(), release.filters()
+        staged = stage_release(release_dir, layouts, store, filters, quarantine=config.quarantine_bad_rows,
+                               check_mrfiles=config.check_mrfiles)
+        published = publish_release(store, staged, release_dir=release_dir)
+        # Lineage: which release these rows came from, even when the source was never observed.
+        fingerprint = release.fingerprint()[0]
+        for table, stats in zip(staged, published):
+            layout = table.layout
+            key = dg.AssetKey([GROUP, layout.table])
+            if not stats.completeness.startswith("verified"):
+                context.log.warning(f"{layout.filename}: completeness {stats.completeness}")
+            if stats.rejected:
+                context.log.warning(f"{stats.rejected} malformed rows quarantined in umls.{layout.table}_rejects")
+            metadata = stats.as_metadata()
+            metadata["parquet_path"] = dg.MetadataValue.path(stats.parquet_path)
+            metadata["dagster/row_count"] = stats.rows_out
+            metadata["dagster/table_name"] = f"umls.{layout.table}"
+            metadata["release_fingerprint"] = fingerprint
+            # The data version is this table's content: its own RRF files, the filters and the ingestion code, so
+            # re-ingesting unchanged files (from the UI, without observing the release) changes nothing downstream
+            # and a revised file changes only this table's descendants.
+            content = f"{INGEST_CODE_VERSION}|{table.rrf_fingerprint}|{filters}|{config.quarantine_bad_rows}"
+            # The blocking checks ran on the staged rows (the gate); they are reported per table here.
+            results = [_result(outcome, dg.AssetCheckSeverity.ERROR, key, name)
+                       for name, outcome in table.checks.items()
+                       if dg.AssetCheckKey(key, name) in selected_checks]
+            yield dg.MaterializeResult(asset_key=key, metadata=metadata, check_results=results,
+                                       data_version=dg.DataVersion(hashlib.sha256(content.encode()).hexdigest()[:16]))
+    for check_key in sorted(selected_checks, key=lambda k: k.to_user_string()):
+        if check_key.asset_key in context.selected_asset_keys or check_key.asset_key not in _LAYOUT_BY_KEY:
+            continue
+        outcome = _PUBLISHED_CHECKS[check_key.name](store, _LAYOUT_BY_KEY[check_key.asset_key])
+        yield _result(outcome, dg.AssetCheckSeverity.ERROR, check_key.asset_key, check_key.name)
+
+
+def _result(outcome: checks.CheckOutcome, severity: dg.AssetCheckSeverity, asset_key: dg.AssetKey | None = None,
+            check_name: str | None = None) -> dg.AssetCheckResult:
+    return dg.AssetCheckResult(passed=outcome.passed, severity=severity, description=outcome.description,
+                               metadata=outcome.metadata, asset_key=asset_key, check_name=check_name)
 
 
 @dg.asset_check(asset=dg.AssetKey([GROUP, MRREL.table]), name="cuis_present_in_mrconso",
@@ -111,7 +137,9 @@ def cuis_present_in_mrconso(warehouse: WarehouseResource) -> dg.AssetCheckResult
     return _result(checks.check_relation_orphans(warehouse.open()), dg.AssetCheckSeverity.WARN)
 
 
-umls_tables = [_table_asset(layout) for layout in INGESTED]
-umls_checks = [check for layout in INGESTED for check in _table_checks(layout)] + [cuis_present_in_mrconso]
+# Lists, as the rest of the code base composes them (`[*umls.umls_tables, *umls.umls_checks]`): the one
+# multi-asset holds the five tables and their blocking checks.
+umls_tables = [umls_release_tables]
+umls_checks = [cuis_present_in_mrconso]
 
 defs = dg.Definitions(assets=[umls_release, *umls_tables], asset_checks=umls_checks)

@@ -29,7 +29,7 @@ from sensors.release import umls_release_sensor
 
 RELEASE = dg.AssetKey("umls_release")
 MRDEF = dg.AssetKey(["umls", "mrdef"])
-UMLS_TABLES = [t.key for t in umls.umls_tables]
+UMLS_TABLES = list(umls.UMLS_TABLE_KEYS)
 EVALUATIONS = [dg.AssetKey(["eval", name]) for name in ("eval_a2rag", "eval_graph_r1", "eval_sema_rag",
                                                          "eval_baselines")]
 GPU_MODELS = [dg.AssetKey(["models", name]) for name in ("gat_model", "hiim_projector", "gsrm_params",

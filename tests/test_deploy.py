@@ -65,9 +65,9 @@ def test_materialization_on_the_postgres_instance_with_mlflow_server_on_postgres
     with mlflow_server(postgres.url("mlflow"), tmp_path / "mlflow-artifacts") as mlflow_url:
         tracking = MlflowResource(tracking_uri=mlflow_url, artifact_root="mlflow-artifacts:/medgraph")
 
-        @dg.asset(deps=[umls.umls_tables[1].key], pool="gpu")
+        @dg.asset(deps=[umls.UMLS_TABLE_KEYS[1]], pool="gpu")
         def tiny_model(context: dg.AssetExecutionContext, mlflow_tracking: MlflowResource) -> dg.MaterializeResult:
-            with mlflow_tracking.start_asset_run(context, [umls.umls_tables[1].key]) as run:
+            with mlflow_tracking.start_asset_run(context, [umls.UMLS_TABLE_KEYS[1]]) as run:
                 mlflow.log_param("hidden_dim", 64)
                 mlflow.log_metric("valid_roc_auc", 0.91)
                 mlflow.log_dict({"weights": [0.1, 0.2]}, "model/weights.json")

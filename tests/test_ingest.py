@@ -192,3 +192,32 @@ def test_every_ingested_layout_materializes_from_the_synthetic_release(release_c
     for layout in INGESTED:
         assert ingest_rrf_file(release_copy, layout, warehouse).rows_out > 0
         assert warehouse.exists("umls", layout.table)
+
+
+def test_staging_publishes_nothing_and_records_the_rrf_fingerprint(release_copy: Path, warehouse: Warehouse):
+    """`stage_rrf_file` leaves the view and the lake's tables alone; the staged Parquet says which RRF content it
+    came from (what a one-table publish compares against the release), and `ingest_rrf_file` = stage + publish
+    removes the table's files of an earlier release publish."""
+    import duckdb
+
+    from medgraph.umls.ingest import RRF_FINGERPRINT_KEY, publish_table, stage_rrf_file
+    from medgraph.umls.publish import publish_release
+
+    first = ingest_rrf_file(release_copy, MRSTY, warehouse)
+    before = warehouse.count("umls.mrsty")
+    (release_copy / "MRSTY.RRF").write_text("".join((release_copy / "MRSTY.RRF").read_text().splitlines(True)[1:]))
+    staged = stage_rrf_file(release_copy, MRSTY, warehouse)
+    assert staged.stats.rows_in == first.rows_in - 1
+    assert warehouse.count("umls.mrsty") == before  # staged, not published
+    with duckdb.connect() as con:
+        recorded = con.execute(f"SELECT decode(value) FROM parquet_kv_metadata('{staged.staging}') "
+                               f"WHERE decode(key) = '{RRF_FINGERPRINT_KEY}'").fetchone()[0]
+    assert recorded == staged.rrf_fingerprint == release_fingerprint(release_copy, (MRSTY,))
+    assert all(outcome.passed for outcome in staged.checks.values())
+
+    versioned = publish_release(warehouse, [staged])[0].parquet_path
+    assert Path(versioned).name.startswith("mrsty.") and Path(versioned).name != "mrsty.parquet"
+    assert warehouse.count("umls.mrsty") == staged.stats.rows_out
+    assert not (warehouse.lake.root / "umls" / "mrsty.parquet").exists()  # superseded, deleted after the commit
+    publish_table(warehouse, stage_rrf_file(release_copy, MRSTY, warehouse))
+    assert sorted(p.name for p in (warehouse.lake.root / "umls").iterdir()) == ["mrsty.parquet"]

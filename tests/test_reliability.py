@@ -310,3 +310,61 @@ def test_empty_file_does_not_replace_the_table(release_copy: Path, warehouse):
         ingest_rrf_file(release_copy, "MRREL", warehouse)
     assert warehouse.count("umls.mrrel") == rows
     assert not [p for p in (warehouse.path.parent / "lake" / "umls").iterdir() if ".tmp" in p.name]  # no staging left
+
+
+# Fault 2 (across tables): a release publishes all-or-nothing (medgraph.umls.publish).
+
+def test_publish_release_swaps_every_view_at_once_and_keeps_only_the_current_files(release_copy: Path, warehouse):
+    from medgraph.umls.publish import publish_release, stage_release
+    from medgraph.umls.schema import INGESTED
+
+    lake = warehouse.lake.root / "umls"
+    first = publish_release(warehouse, stage_release(release_copy, INGESTED, warehouse), release_copy)
+    assert [s.table for s in first] == [layout.table for layout in INGESTED]
+    # Versioned files of one publish, read by the views: `<table>.<version>.parquet`, one version for all five.
+    names = sorted(p.name for p in lake.iterdir())
+    assert names == sorted(Path(s.parquet_path).name for s in first)
+    assert len({name.split(".", 1)[1] for name in names}) == 1
+    assert warehouse.view_files("umls")["mrrel"] == [first[1].parquet_path]
+    # What a publish killed before its commit leaves: a moved version no view reads, and a staging file.
+    orphan = lake / "mrsab.20260101T000000-0123abcd.parquet"
+    orphan.write_bytes(Path(first[4].parquet_path).read_bytes())
+    staging = lake / ".mrsab.0123456789ab.tmp.parquet"
+    staging.write_bytes(b"")
+
+    second = publish_release(warehouse, stage_release(release_copy, INGESTED, warehouse), release_copy)
+    assert sorted(p.name for p in lake.iterdir()) == sorted(Path(s.parquet_path).name for s in second)
+    assert not orphan.exists() and not staging.exists()
+    assert all(s.rows_out == warehouse.count(f"umls.{s.table}") > 0 for s in second)
+
+
+def test_a_failure_while_publishing_leaves_every_view_as_it_was(release_copy: Path, warehouse):
+    """A staged file lost before the swap (as when the disk fails under it): the tables moved before it are
+    taken back, no view changes, nothing new is left in the lake."""
+    from medgraph.umls.publish import ReleaseNotPublishedError, publish_release, stage_release
+    from medgraph.umls.schema import INGESTED
+
+    publish_release(warehouse, stage_release(release_copy, INGESTED, warehouse))
+    lake = warehouse.lake.root / "umls"
+    files, views = sorted(lake.iterdir()), warehouse.view_files("umls")
+    counts = {layout.table: warehouse.count(f"umls.{layout.table}") for layout in INGESTED}
+    (release_copy / "MRREL.RRF").write_text("".join((release_copy / "MRREL.RRF").read_text().splitlines(True)[:10]))
+    staged = stage_release(release_copy, INGESTED, warehouse)
+    Path(staged[3].staging).unlink()  # MRDEF's: MRCONSO, MRREL and MRSTY are moved into place before it fails
+    with pytest.raises(ReleaseNotPublishedError, match=r"^publishing umls\.mrconso, umls\.mrrel, umls\.mrsty, "
+                                                       r"umls\.mrdef, umls\.mrsab failed, every umls view is unchanged"):
+        publish_release(warehouse, staged)
+    assert sorted(lake.iterdir()) == files and warehouse.view_files("umls") == views
+    assert {table: warehouse.count(f"umls.{table}") for table in counts} == counts
+
+
+def test_staging_a_release_stops_at_the_first_bad_file_and_keeps_nothing(release_copy: Path, warehouse):
+    from medgraph.umls.publish import ReleaseNotPublishedError, stage_release
+    from medgraph.umls.schema import INGESTED
+
+    (release_copy / "MRSTY.RRF").write_bytes(b"")
+    with pytest.raises(ReleaseNotPublishedError, match=r"^MRSTY\.RRF: not published, the staged rows fail blocking "
+                                                       r"checks \(not_empty: 0 rows\); umls\.mrsty is unchanged\n"
+                                                       r"The release was not published: umls\.mrconso, "):
+        stage_release(release_copy, INGESTED, warehouse)
+    assert not list((warehouse.lake.root / "umls").iterdir())  # MRCONSO's and MRREL's staged files discarded

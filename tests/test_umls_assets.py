@@ -27,6 +27,13 @@ def resources_for(home: Path, release: Path) -> dict:
     }
 
 
+def materialization(result: dg.ExecuteInProcessResult, table: str) -> dg.AssetMaterialization:
+    """The run's materialization of `umls/<table>` (all five come from the one `umls_tables` op)."""
+    found = [m for m in result.asset_materializations_for_node("umls_tables") if m.asset_key.path[-1] == table]
+    assert len(found) == 1, [m.asset_key for m in result.asset_materializations_for_node("umls_tables")]
+    return found[0]
+
+
 def spec_snapshot(defs: dg.Definitions) -> dict:
     graph = defs.resolve_asset_graph()
     snapshot = {}
@@ -58,7 +65,7 @@ def test_materializing_umls_assets_fills_tables_and_passes_checks(medgraph_home:
     result = dg.materialize([*umls.umls_tables, *umls.umls_checks],
                             resources=resources_for(medgraph_home, release_copy), instance=instance)
     assert result.success
-    mrrel = result.asset_materializations_for_node("umls__mrrel")[0].metadata
+    mrrel = materialization(result, "mrrel").metadata
     assert mrrel["dagster/row_count"].value == mrrel["rows_out"].value > 0
     # Lineage without an observation of the source: the report finds the ingested release's fingerprint.
     fingerprint = resources_for(medgraph_home, release_copy)["release"].fingerprint()[0]
@@ -115,10 +122,10 @@ def test_failed_materialization_leaves_previous_table(medgraph_home: Path, relea
 
     quarantined = dg.materialize(
         umls.umls_tables, resources=resources, selection=[UMLS_KEYS[3]],
-        run_config={"ops": {"umls__mrdef": {"config": {"quarantine_bad_rows": True}}}},
+        run_config={"ops": {"umls_tables": {"config": {"quarantine_bad_rows": True}}}},
     )
     assert quarantined.success
-    assert quarantined.asset_materializations_for_node("umls__mrdef")[0].metadata["rows_rejected"].value == 1
+    assert materialization(quarantined, "mrdef").metadata["rows_rejected"].value == 1
     assert warehouse.count("umls.mrdef_rejects") == 1
 
 
@@ -144,7 +151,7 @@ def test_cli_materializes_umls_assets_from_any_release(tmp_path: Path, synthetic
     (tmp_path / "dagster").mkdir()
     dagster = Path(sys.executable).parent / "dagster"
     proc = subprocess.run([str(dagster), "asset", "materialize", "-m", "definitions", "--select", "group:umls"],
-                          cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300)
+                          cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300, check=False)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     import duckdb
 
@@ -154,3 +161,88 @@ def test_cli_materializes_umls_assets_from_any_release(tmp_path: Path, synthetic
         assert set(counts) == {"mrconso", "mrrel", "mrsty", "mrdef", "mrsab"}
         english = con.execute("SELECT count(*) FROM umls.mrconso WHERE LAT <> 'ENG'").fetchone()[0]
     assert english == 0
+
+
+# Issue 17, fault 2 across tables: a bad MRREL used to leave the other four tables of the new release published.
+
+TABLES = [key.path[-1] for key in UMLS_KEYS]
+# A free-text column of each file other than MRREL: revising it changes the table, not its validity.
+TEXT_COLUMN = {"MRCONSO": 14, "MRSTY": 3, "MRDEF": 5, "MRSAB": 4}
+
+
+def revise(release: Path, name: str, marker: str = " (revised)") -> None:
+    path = release / f"{name}.RRF"
+    lines = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        fields = line.split("|")
+        fields[TEXT_COLUMN[name]] += marker
+        lines.append("|".join(fields))
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+
+
+def contents(warehouse) -> dict[str, list[tuple]]:
+    with warehouse.connect(read_only=True) as con:
+        return {table: con.execute(f"SELECT * FROM umls.{table} ORDER BY ALL").fetchall() for table in TABLES}
+
+
+def lake_files(home: Path) -> list[str]:
+    return sorted(p.name for p in (home / "lake" / "umls").iterdir())
+
+
+def test_a_bad_mrrel_leaves_the_whole_previous_release(medgraph_home: Path, release_copy: Path):
+    """Before: the other four tables of the new release were published one by one before MRREL failed, so the
+    warehouse held two releases at once. Now all five are staged and checked, then swapped in one step."""
+    resources = resources_for(medgraph_home, release_copy)
+    assert dg.materialize([*umls.umls_tables, *umls.umls_checks], resources=resources).success
+    warehouse = resources["warehouse"].open()
+    before, files_before = contents(warehouse), lake_files(medgraph_home)
+    assert all(before.values())
+
+    mrrel = (release_copy / "MRREL.RRF").read_bytes()
+    for name in TEXT_COLUMN:
+        revise(release_copy, name)
+    (release_copy / "MRREL.RRF").write_bytes(b"")
+    result = dg.materialize([*umls.umls_tables, *umls.umls_checks], resources=resources, raise_on_error=False)
+    assert not result.success
+    events = str(result.all_events)
+    assert "MRREL.RRF: not published, the staged rows fail blocking checks (not_empty: 0 rows)" in events
+    assert ("The release was not published: umls.mrconso, umls.mrrel, umls.mrsty, umls.mrdef, umls.mrsab keep the "
+            "previous release") in events
+    assert not result.asset_materializations_for_node("umls_tables")
+    assert contents(warehouse) == before  # row counts and contents of the previous release, all five
+    assert lake_files(medgraph_home) == files_before  # no staged or versioned file left behind
+
+    # A good release replaces all five, and only the new files remain.
+    lines = mrrel.decode().splitlines(keepends=True)
+    (release_copy / "MRREL.RRF").write_text("".join(lines[:-100]), encoding="utf-8")
+    result = dg.materialize([*umls.umls_tables, *umls.umls_checks], resources=resources)
+    assert result.success
+    after = contents(warehouse)
+    assert all(after[table] != before[table] for table in TABLES)
+    assert any("(revised)" in str(row) for row in after["mrconso"])
+    assert len(after["mrrel"]) < len(before["mrrel"])
+    paths = {table: materialization(result, table).metadata["parquet_path"].value for table in TABLES}
+    assert lake_files(medgraph_home) == sorted(Path(path).name for path in paths.values())
+    assert all(Path(path).name.startswith(f"{table}.") for table, path in paths.items())
+
+
+def test_one_table_alone_is_refused_when_the_release_changed_under_the_others(medgraph_home: Path,
+                                                                            release_copy: Path):
+    """A subset run publishes its tables together; it must not publish a table of a new release beside
+    tables of the old one (the mixed state fault 2 is about)."""
+    resources = resources_for(medgraph_home, release_copy)
+    assert dg.materialize(umls.umls_tables, resources=resources).success
+    warehouse = resources["warehouse"].open()
+    before = contents(warehouse)
+    revise(release_copy, "MRDEF")
+    revise(release_copy, "MRSTY")
+    result = dg.materialize(umls.umls_tables, resources=resources, selection=[UMLS_KEYS[3]], raise_on_error=False)
+    assert not result.success
+    assert (f"publishing only umls.mrdef would mix two releases: MRSTY.RRF changed in {release_copy} since "
+            f"umls.mrsty was published, and this run does not republish it. Nothing was published") \
+        in str(result.all_events)
+    assert contents(warehouse) == before
+    # Both changed tables together: the release is consistent again.
+    assert dg.materialize(umls.umls_tables, resources=resources, selection=[UMLS_KEYS[2], UMLS_KEYS[3]]).success
+    after = contents(warehouse)
+    assert [t for t in TABLES if after[t] != before[t]] == ["mrsty", "mrdef"]

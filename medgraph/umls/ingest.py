@@ -23,7 +23,7 @@ from medgraph.storage import Lake, Warehouse, quote_ident, sql_literal
 from medgraph.umls import checks
 from medgraph.umls.completeness import verify_source
 from medgraph.umls.filters import IngestFilters
-from medgraph.umls.release import RrfSource, rrf_source
+from medgraph.umls.release import RrfSource, release_fingerprint, rrf_source
 from medgraph.umls.schema import INTEGER_COLUMNS, MRSAB, RrfLayout
 from medgraph.umls.schema import layout as layout_named
 
@@ -170,6 +170,29 @@ def restricted_sabs(release_dir: str | Path, max_srl: int) -> tuple[str, ...]:
     return tuple(r[0] for r in rows)
 
 
+@dataclass
+class StagedTable:
+    """One RRF file parsed, filtered and written as Parquet at a staging path, its blocking checks passed;
+    not yet a table: `publish_table` or `medgraph.umls.publish.publish_release` makes it one (or `discard`)."""
+
+    layout: RrfLayout
+    staging: Path | str
+    rejects_staging: Path | str | None  # the quarantined rows (with `quarantine`), else None: rejects untouched
+    stats: IngestStats  # parquet_path / parquet_bytes are filled in when published
+    rrf_fingerprint: str  # release_fingerprint of this file alone, also stored in the Parquet's key-value metadata
+    checks: dict[str, checks.CheckOutcome]  # the blocking checks on the staged rows (all passed)
+
+    def discard(self, lake: Lake | S3Lake) -> None:
+        lake.discard(self.staging)
+        if self.rejects_staging is not None:
+            lake.discard(self.rejects_staging)
+
+
+# Parquet key-value metadata of every staged file: which RRF content it was made from (publish_release
+# compares it with the release when a run publishes only some tables).
+RRF_FINGERPRINT_KEY = "medgraph_rrf_fingerprint"
+
+
 def ingest_rrf_file(
     release_dir: str | Path,
     rrf: RrfLayout | str,
@@ -178,24 +201,42 @@ def ingest_rrf_file(
     quarantine: bool = False,
     check_mrfiles: bool = True,
 ) -> IngestStats:
-    """Ingest one META file into `lake/umls/<table>.parquet` and the view `umls.<table>`.
+    """Ingest one META file into `lake/umls/<table>.parquet` and the view `umls.<table>`: `stage_rrf_file`
+    then `publish_table`. Publishing one table on its own; the Dagster assets publish a release's tables
+    together with `medgraph.umls.publish.publish_release`."""
+    staged = stage_rrf_file(release_dir, rrf, warehouse, filters, quarantine, check_mrfiles)
+    return publish_table(warehouse, staged)
+
+
+def stage_rrf_file(
+    release_dir: str | Path,
+    rrf: RrfLayout | str,
+    warehouse: Warehouse,
+    filters: IngestFilters | None = None,
+    quarantine: bool = False,
+    check_mrfiles: bool = True,
+) -> StagedTable:
+    """Parse, validate and filter one META file into a staging Parquet file and run the blocking checks on
+    it; nothing is published (the view and the table's files are untouched).
 
     A malformed row fails the whole file with its path, line and field counts,
-    unless `quarantine` is set: then malformed rows go to `umls.<table>_rejects`
-    and are counted. Either way the previous good table stays until the new one
-    is complete.
+    unless `quarantine` is set: then malformed rows are staged for `umls.<table>_rejects`
+    and counted. Staged rows failing a blocking check raise StagedCheckError. On any error the staging
+    files are removed.
 
     First the files are read once (medgraph.umls.completeness): a truncated `.gz`, a gap in split
     parts or non-UTF-8 bytes fail, and so do rows or bytes other than MRFILES.RRF declares, unless
     `check_mrfiles` is off (an excerpt of a release that kept the original MRFILES.RRF).
     """
     started = time.perf_counter()
+    filters = filters if filters is not None else IngestFilters()
     layout = rrf if isinstance(rrf, RrfLayout) else layout_named(rrf)
     remove_stale_staging(warehouse.lake, layout.table)
     source = rrf_source(release_dir, layout)
     # Before parsing: a truncated .gz, a missing split part, non-UTF-8 bytes or a file that is not
     # what MRFILES.RRF declares fails here, in one read, rather than being ingested as fewer rows.
     completeness = verify_source(release_dir, source, check_mrfiles)
+    fingerprint = release_fingerprint(release_dir, (layout,))
     if filters.max_srl is not None and "SRL" not in layout.columns and not filters.restricted_sabs:
         filters = IngestFilters(**{**filters.__dict__, "restricted_sabs": restricted_sabs(release_dir, filters.max_srl)})
     predicates = filters.predicates(layout)
@@ -226,25 +267,27 @@ def ingest_rrf_file(
 
         # Pass 2: stream the kept rows into a staging file beside the table.
         staging = lake.staging_path(SCHEMA, layout.table)
+        rejects_staging = None
         try:
             select_columns = ", ".join(quote_ident(c) for c in layout.columns)
             where = " AND ".join([f"{_TRAILING} IS NULL"] + [f"({c})" for _, c in predicates])
             written = con.execute(
                 f"COPY (SELECT {select_columns} FROM {_read_csv_sql(source, rejects=True)} WHERE {where}) "
-                f"TO {sql_literal(str(staging))} (FORMAT parquet, {_PARQUET_OPTIONS})"
+                f"TO {sql_literal(str(staging))} (FORMAT parquet, {_PARQUET_OPTIONS}, "
+                f"KV_METADATA {{{RRF_FINGERPRINT_KEY}: {sql_literal(fingerprint)}}})"
             ).fetchall()[0][0]
             if written != expected_out:
                 raise RuntimeError(f"{layout.filename}: wrote {written} rows, validation pass kept {expected_out}")
             # The blocking checks run on the staged file, before it replaces anything (an empty MRREL or
             # malformed CUIs never become the table; the previous one stays).
-            _refuse_failing_stage(con, layout, staging)
+            outcomes = _refuse_failing_stage(con, layout, staging)
             if quarantine:
-                _publish_rejects(con, lake, warehouse, layout, rejected)
-            final = lake.publish(staging, SCHEMA, layout.table)
+                rejects_staging = _stage_rejects(con, lake, layout, rejected)
         except BaseException:
             lake.discard(staging)
+            if rejects_staging is not None:
+                lake.discard(rejects_staging)
             raise
-    warehouse.register_parquet_view(SCHEMA, layout.table, final)
     stats = IngestStats(
         table=layout.table,
         files=[p.name for p in source.paths],
@@ -253,13 +296,41 @@ def ingest_rrf_file(
         rows_out=written,
         rejected=len(rejected),
         bytes_in=source.bytes,
-        parquet_bytes=lake.size(final),
+        parquet_bytes=0,
         seconds=time.perf_counter() - started,
-        parquet_path=str(final),
+        parquet_path="",
         filters=filters.as_metadata(),
         completeness=completeness.describe(),
     )
-    log.info("%s: %d rows in, %d kept, %d rejected in %.1fs", layout.filename, rows_in, written, len(rejected), stats.seconds)
+    log.info("%s: %d rows in, %d kept, %d rejected in %.1fs (staged)", layout.filename, rows_in, written,
+             len(rejected), stats.seconds)
+    return StagedTable(layout, staging, rejects_staging, stats, fingerprint, outcomes)
+
+
+def publish_table(warehouse: Warehouse, staged: StagedTable) -> IngestStats:
+    """Make one staged table `lake/umls/<table>.parquet` (a rename over the previous file) and the view
+    `umls.<table>`; the table's versioned files of an earlier release publish are removed afterwards."""
+    lake = warehouse.lake
+    table = staged.layout.table
+    try:
+        rejects = lake.publish(staged.rejects_staging, SCHEMA, f"{table}_rejects") \
+            if staged.rejects_staging is not None else None
+        final = lake.publish(staged.staging, SCHEMA, table)
+    except BaseException:
+        staged.discard(lake)
+        raise
+    if rejects is not None:
+        warehouse.register_parquet_view(SCHEMA, f"{table}_rejects", rejects)
+    warehouse.register_parquet_view(SCHEMA, table, final)
+    from medgraph.umls.publish import remove_superseded_files  # publish imports this module
+
+    remove_superseded_files(lake, {table: final, **({f"{table}_rejects": rejects} if rejects else {})})
+    return published_stats(staged, lake, final)
+
+
+def published_stats(staged: StagedTable, lake: Lake | S3Lake, final: Path | str) -> IngestStats:
+    stats = staged.stats
+    stats.parquet_path, stats.parquet_bytes = str(final), lake.size(final)
     return stats
 
 
@@ -282,7 +353,8 @@ def remove_stale_staging(lake: Lake | S3Lake, table: str) -> list[Path]:
     return removed
 
 
-def _refuse_failing_stage(con: duckdb.DuckDBPyConnection, layout: RrfLayout, staging: Path | str) -> None:
+def _refuse_failing_stage(con: duckdb.DuckDBPyConnection, layout: RrfLayout,
+                          staging: Path | str) -> dict[str, checks.CheckOutcome]:
     outcomes = checks.staged_outcomes(con, layout, f"read_parquet({sql_literal(str(staging))})")
     failed = {name: outcome for name, outcome in outcomes.items() if not outcome.passed}
     if failed:
@@ -292,20 +364,20 @@ def _refuse_failing_stage(con: duckdb.DuckDBPyConnection, layout: RrfLayout, sta
             for name, outcome in failed.items())
         raise StagedCheckError(f"{layout.filename}: not published, the staged rows fail blocking checks ({details}); "
                                f"umls.{layout.table} is unchanged")
+    return outcomes
 
 
-def _publish_rejects(con: duckdb.DuckDBPyConnection, lake: Lake | S3Lake, warehouse: Warehouse,
-                     layout: RrfLayout, rejected: list[RejectedRow]) -> None:
-    """Write the quarantined rows (possibly none, replacing an older list) as `umls.<table>_rejects`."""
-    table = f"{layout.table}_rejects"
+def _stage_rejects(con: duckdb.DuckDBPyConnection, lake: Lake | S3Lake, layout: RrfLayout,
+                   rejected: list[RejectedRow]) -> Path | str:
+    """Stage the quarantined rows (possibly none: publishing them replaces an older list) for
+    `umls.<table>_rejects`."""
     con.execute("CREATE OR REPLACE TEMP TABLE rejects (path VARCHAR, line BIGINT, error VARCHAR, raw VARCHAR)")
     if rejected:
         con.executemany("INSERT INTO rejects VALUES (?, ?, ?, ?)", [(r.path, r.line, r.error, r.raw) for r in rejected])
-    staging = lake.staging_path(SCHEMA, table)
+    staging = lake.staging_path(SCHEMA, f"{layout.table}_rejects")
     try:
         con.execute(f"COPY rejects TO {sql_literal(str(staging))} (FORMAT parquet, COMPRESSION zstd)")
-        final = lake.publish(staging, SCHEMA, table)
     except BaseException:
         lake.discard(staging)
         raise
-    warehouse.register_parquet_view(SCHEMA, table, final)
+    return staging
