@@ -404,7 +404,11 @@ def _answer(args: argparse.Namespace, item: Any, config: object, deadline: float
     stage[0] = f"loading the LLM ({redact_uri(args.llm or settings.llm)})"
     llm = None
     if method_of(args.method) == "graph-r1" and args.llm is None:
-        llm = _champion_policy(settings, args.method)  # as evaluation picks it: GRPO, else SFT, else the base LLM
+        # As evaluation picks it (GRPO, else SFT, else the base LLM), in the environment it was trained in;
+        # --set values still win.
+        llm, environment = _champion_policy(settings, args.method)
+        given = {pair.split("=", 1)[0].strip() for pair in args.set}
+        config = dataclasses.replace(config, **{k: v for k, v in environment.items() if k not in given})
     llm = llm or load_llm(args.llm)
     if isinstance(llm, OpenAIChatModel) and deadline is not None:
         # Each request waits at most until the call's deadline (not 5 x 120 s of read timeouts and retries).
@@ -433,19 +437,20 @@ def _answer(args: argparse.Namespace, item: Any, config: object, deadline: float
     return 0
 
 
-def _champion_policy(settings: object, method: str):  # -> ChatModel | None
+def _champion_policy(settings: object, method: str) -> tuple[ChatModel | None, dict[str, object]]:
     """The policy evaluation would run `method` with (the GRPO champion, else the SFT champion), or None for the
-    base LLM; says which on stderr."""
+    base LLM, and the Graph-R1 environment it was trained in; says which policy on stderr."""
     try:
-        from medgraph.rl.policy import choose_policy, load_chosen_policy
+        from medgraph.rl.policy import choose_policy, load_chosen_policy, policy_environment
     except ImportError:
-        return None
+        return None, {}
     choice = choose_policy(method, tracking_uri=settings.mlflow_tracking_uri, home=settings.home)
     if choice.source is None:  # e.g. graph-r1-sft-only without a registered SFT policy: never run the base LLM instead
         print(f"medgraph ask: {method} {choice.description}", file=sys.stderr)
         raise SystemExit(2)
     print(f"policy: {choice.description}", file=sys.stderr)
-    return load_chosen_policy(choice, tracking_uri=settings.mlflow_tracking_uri, home=settings.home)
+    return (load_chosen_policy(choice, tracking_uri=settings.mlflow_tracking_uri, home=settings.home),
+            policy_environment(choice.model_uri, tracking_uri=settings.mlflow_tracking_uri, home=settings.home))
 
 
 def _cmd_models(args: argparse.Namespace) -> int:

@@ -87,12 +87,15 @@ def _load_graph_tokenizer(chat, store, tracking_uri: str):
     return load_champion_graph_tokenizer(chat, store, tracking_uri)
 
 
-def _load_policy(methods: list[str] | tuple[str, ...], tracking_uri: str, home: Path) -> dict[str, tuple]:
+def _load_policy(methods: list[str] | tuple[str, ...], tracking_uri: str,
+                 home: Path) -> tuple[dict[str, tuple], dict[str, object]]:
     """Graph-R1 method or ablation -> (PolicyChoice, its chat model or None for the base LLM): `graph-r1`
     the GRPO champion, else the SFT champion, else the base LLM; `graph-r1-sft-only` the SFT champion or
-    nothing (choice.source None: skipped); `graph-r1-no-sft` the base LLM. Each model is loaded once."""
+    nothing (choice.source None: skipped); `graph-r1-no-sft` the base LLM. Each model is loaded once.
+    Also the environment every Graph-R1 variant runs in: the one `graph-r1`'s policy (else the first
+    trained one) learned in, so the ablations are paired with it in the same environment."""
     from medgraph.methods.registry import method_of
-    from medgraph.rl.policy import choose_policy, load_chosen_policy
+    from medgraph.rl.policy import choose_policy, load_chosen_policy, policy_environment
 
     loaded: dict[str | None, object] = {None: None}
     policies = {}
@@ -101,7 +104,9 @@ def _load_policy(methods: list[str] | tuple[str, ...], tracking_uri: str, home: 
         if choice.model_uri not in loaded:
             loaded[choice.model_uri] = load_chosen_policy(choice, tracking_uri, home)
         policies[method] = (choice, loaded[choice.model_uri])
-    return policies
+    trained = sorted((m != "graph-r1", c.model_uri) for m, (c, _) in policies.items() if c.model_uri)
+    environment = policy_environment(trained[0][1], tracking_uri, home) if trained else {}
+    return policies, environment
 
 
 def _eval_asset(name: str, methods: tuple[str, ...], model_deps: tuple[dg.AssetKey, ...], description: str):
@@ -130,10 +135,14 @@ def _eval_asset(name: str, methods: tuple[str, ...], model_deps: tuple[dg.AssetK
         chat = llm.load()
         tracking_uri = mlflow_tracking.tracking_uri
         graph_tokenizer = _load_graph_tokenizer(chat, store, tracking_uri) if "a2rag" in name else None
-        policies = _load_policy(config.methods or methods, tracking_uri, home)
+        policies, environment = _load_policy(config.methods or methods, tracking_uri, home)
         lineage = {"llm": chat.name, "encoder": encoder.load().encoder_id,
                    "hiim": "graph-tokens" if graph_tokenizer is not None else "text-only",
                    "graph_r1_policy": "; ".join(f"{m}: {c.description}" for m, (c, _) in policies.items()) or "n/a"}
+        if environment:  # the trained policy's environment; method_config still wins
+            overrides = {m: {**environment, **overrides.get(m, {})} if m in policies else overrides.get(m, {})
+                         for m in {*overrides, *policies}}
+            lineage["graph_r1_environment"] = ", ".join(f"{k}={v}" for k, v in sorted(environment.items()))
         if name == "eval_a2rag":  # tau, K, N tuned on validation by models/gsrm_params; method_config still wins
             overrides, gsrm_lineage = with_tuned_gsrm(read_gsrm_params(home), config.methods or methods, overrides)
             lineage.update(gsrm_lineage)

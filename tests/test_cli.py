@@ -56,7 +56,7 @@ def test_ask_picks_the_graph_r1_policy_as_evaluation_does(mlflow_db: Path, tmp_p
     from medgraph.cli import _champion_policy
 
     settings = SimpleNamespace(mlflow_tracking_uri=f"sqlite:///{mlflow_db}", home=tmp_path)
-    assert _champion_policy(settings, "graph-r1") is None  # nothing registered: the base LLM plays the policy
+    assert _champion_policy(settings, "graph-r1") == (None, {})  # nothing registered: the base LLM plays the policy
     assert "policy: base LLM" in capsys.readouterr().err
     with pytest.raises(SystemExit) as exited:  # an SFT-only run without an SFT policy never runs the base LLM
         _champion_policy(settings, "graph-r1-sft-only")

@@ -9,6 +9,7 @@ is GRPO working (rollouts, masks, advantages, the update), not SFT.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import threading
 from collections.abc import Iterator
@@ -50,6 +51,7 @@ from medgraph.rl.policy import (
     choose_policy,
     load_champion_policy,
     load_chosen_policy,
+    policy_environment,
     recorded_validation,
     sft_start_baseline,
 )
@@ -514,6 +516,9 @@ def test_policy_assets_train_register_and_load_the_champion(qa_warehouse: Wareho
     assert metadata["promoted"].value is (metadata["valid_reward"].value > metadata["valid_reward_start"].value
                                           and metadata["valid_accuracy"].value >= metadata["valid_accuracy_start"].value)
     assert metadata["sft_model_uri"].value == sft.metadata["model_uri"].value
+    # Evaluation runs a policy in the environment it was trained in (the tiny profile's), actions aside.
+    assert policy_environment(sft.metadata["model_uri"].value, tracking_uri) == {
+        k: v for k, v in dataclasses.asdict(TINY_ENV).items() if k != "actions"}
     if sft.metadata["promoted"].value:  # GRPO starts from the SFT champion, whose validation step 0 takes over
         assert metadata["valid_reward_start"].value == sft.metadata["valid_reward"].value
     champion_version = "1" if metadata["promoted"].value else "None"

@@ -192,6 +192,22 @@ def choose_policy(method: str, tracking_uri: str | None = None, home: Path | Non
     return PolicyChoice(method, None, None, f"skipped: no {wanted} in {redact_uri(uri)}")
 
 
+def policy_environment(model_uri: str | None, tracking_uri: str | None = None,
+                       home: Path | None = None) -> dict[str, object]:
+    """The Graph-R1 environment a registered policy was trained and validated in (its logged
+    `graph_r1_config`, env_* fields), as GraphR1Config overrides: a policy is evaluated in the environment
+    it learned (turn budget, tokens per turn, observation sizes), not the method's defaults. `actions` is
+    left out (ablations set it). {} for the base LLM or a policy that records none."""
+    if model_uri is None:
+        return {}
+    tracking = _tracking(tracking_uri, home)
+    mlflow.set_tracking_uri(tracking.tracking_uri)
+    mlflow.set_registry_uri(tracking.tracking_uri)
+    config = (mlflow.models.get_model_info(model_uri).metadata or {}).get("graph_r1_config") or {}
+    return {key.removeprefix("env_"): tuple(value) if isinstance(value, list) else value
+            for key, value in config.items() if key.startswith("env_") and key != "env_actions"}
+
+
 def load_chosen_policy(choice: PolicyChoice, tracking_uri: str | None = None,
                        home: Path | None = None) -> ChatModel | None:
     """The chat model of a choice; None for the base LLM (and for a skipped method)."""
