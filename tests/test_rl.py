@@ -461,9 +461,10 @@ def test_evaluation_picks_the_grpo_champion_else_the_sft_champion_else_the_base_
     assert load_chosen_policy(choose_policy("graph-r1-no-sft", uri), uri) is None  # the base LLM plays
     from platform_assets.evaluation import _load_policy
 
-    chosen = _load_policy(["cot", "graph-r1", "graph-r1-sft-only"], uri, tmp_path)  # what eval assets run with
+    chosen, environment = _load_policy(["cot", "graph-r1", "graph-r1-sft-only"], uri, tmp_path)  # as eval assets
     assert {m: (c.source, model) for m, (c, model) in chosen.items()} == {"graph-r1": ("base", None),
                                                                          "graph-r1-sft-only": (None, None)}
+    assert environment == {}  # no trained policy: the method's own environment
 
     sft = register_policy(tracking, SFT_MODEL_NAME, valid_reward=0.2)
     tracking.client.set_registered_model_alias(SFT_MODEL_NAME, "champion", sft)
