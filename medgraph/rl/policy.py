@@ -200,9 +200,7 @@ def policy_environment(model_uri: str | None, tracking_uri: str | None = None,
     left out (ablations set it). {} for the base LLM or a policy that records none."""
     if model_uri is None:
         return {}
-    tracking = _tracking(tracking_uri, home)
-    mlflow.set_tracking_uri(tracking.tracking_uri)
-    mlflow.set_registry_uri(tracking.tracking_uri)
+    _activate(tracking_uri, home)
     config = (mlflow.models.get_model_info(model_uri).metadata or {}).get("graph_r1_config") or {}
     return {key.removeprefix("env_"): tuple(value) if isinstance(value, list) else value
             for key, value in config.items() if key.startswith("env_") and key != "env_actions"}
@@ -213,7 +211,12 @@ def load_chosen_policy(choice: PolicyChoice, tracking_uri: str | None = None,
     """The chat model of a choice; None for the base LLM (and for a skipped method)."""
     if choice.model_uri is None:
         return None
+    _activate(tracking_uri, home)
+    return load_policy(choice.model_uri)
+
+
+def _activate(tracking_uri: str | None, home: Path | None) -> None:
+    """Point mlflow's `models:/` resolution at the settings' (or the given) tracking server and registry."""
     tracking = _tracking(tracking_uri, home)
     mlflow.set_tracking_uri(tracking.tracking_uri)
     mlflow.set_registry_uri(tracking.tracking_uri)
-    return load_policy(choice.model_uri)
