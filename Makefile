@@ -55,12 +55,12 @@ EVALUATIONS := group:evaluation and not key:"eval/evaluation_report" and not key
 DEMO_DATASETS ?= kgqa_mc
 demo: install $(DAGSTER_HOME)/dagster.yaml
 	$(BIN)/python -m jobs.recovery
-	$(BIN)/dagster asset materialize -m definitions --select 'not group:evaluation and not group:text_extraction' -c deploy/local/demo_run_config.yaml
+	$(BIN)/dg launch -m definitions --assets 'not group:evaluation and not group:text_extraction' -c deploy/local/demo_run_config.yaml
 	for dataset in $(DEMO_DATASETS); do \
-	  $(BIN)/dagster asset materialize -m definitions --select '$(EVALUATIONS)' --partition $$dataset \
+	  $(BIN)/dg launch -m definitions --assets '$(EVALUATIONS)' --partition $$dataset \
 	    -c deploy/local/demo_eval_config.yaml || exit 1; \
 	done
-	$(BIN)/dagster asset materialize -m definitions --select 'key:"eval/gsrm_recall" or key:"eval/evaluation_report"' \
+	$(BIN)/dg launch -m definitions --assets 'key:"eval/gsrm_recall" or key:"eval/evaluation_report"' \
 	  -c deploy/local/demo_eval_config.yaml
 	$(BIN)/medgraph status
 	@echo "report: $(MEDGRAPH_HOME)/reports/report.html   UI: make ui (then http://127.0.0.1:3000)"

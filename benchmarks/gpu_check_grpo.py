@@ -34,8 +34,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from medgraph.eval.questions import QaItem
 from medgraph.kg.graph import Node, Triple
-from medgraph.kg.qa import QaItem
 from medgraph.methods.graph_r1 import GraphR1Config, GraphR1Env
 from medgraph.rl.grpo import GrpoConfig, train_grpo
 

@@ -84,7 +84,7 @@ def main() -> None:
             endpoint = f"http://{host}:{port}"
             boto3.client("s3", endpoint_url=endpoint).create_bucket(Bucket="bench-lake")
             remote = WarehouseResource(home=str(out / "s3"), lake="s3://bench-lake/lake",
-                                       s3=S3Access(endpoint_url=endpoint)).open()
+                                       s3=S3Access(endpoint_url=endpoint)).get_warehouse()
             started = time.perf_counter()
             report("S3 lake (moto on loopback)", ingest_all(release, remote), args.mrrel_rows)
             print(f"wall {time.perf_counter() - started:.1f} s")

@@ -8,7 +8,11 @@ completed
   (prompts prefilled unpadded, then one shrinking decode batch);
 - one at a time: 16 calls of one conversation each;
 - hf generate: the same 16 rows left-padded through one `model.generate`
-  call (what the backend did before; every row decodes to the longest reply).
+  call (what the backend did before; every row decodes to the longest reply);
+- llama.cpp (with --llamacpp, extra `llamacpp`): the same GGUF file the
+  transformers backend converts from (SmolLM2's Q4_1, which transformers
+  dequantizes to float32), run by llama.cpp's quantized kernels, one
+  conversation after another (llama-cpp-python has no batched chat).
 
 --context-tokens N puts ~N tokens of retrieval-style passages (different for
 each question, 0.7-1.3 N) before each question, as RAG prompts have: prefill
@@ -25,7 +29,7 @@ machine two torch threads spin-wait on each other; --threads 1 is the
 robust setting there.
 
     .venv/bin/python benchmarks/llm_batching.py [--threads 1] [--max-new-tokens 32] [--repeats 2]
-        [--context-tokens 1000] [--home benchmarks/_work/llm_batching/home]
+        [--context-tokens 1000] [--llamacpp] [--home benchmarks/_work/llm_batching/home]
 """
 
 from __future__ import annotations
@@ -40,7 +44,7 @@ from pathlib import Path
 import torch
 
 from medgraph.llm import GenerationConfig, load_llm, user
-from medgraph.llm.base import Completion
+from medgraph.llm.base import ChatModel, Completion
 from medgraph.llm.hf import TransformersChatModel
 
 QUESTIONS = [
@@ -76,11 +80,11 @@ def prompts(context_tokens: int) -> list[str]:
     return out
 
 
-def run(model: TransformersChatModel, mode: str, config: GenerationConfig,
+def run(model: ChatModel, mode: str, config: GenerationConfig,
         texts: list[str]) -> tuple[float, float, list[Completion]]:
     conversations = [[user(text)] for text in texts]
     wall, cpu = time.perf_counter(), time.process_time()
-    if mode == "batched":
+    if mode in ("batched", "llama.cpp"):  # llama.cpp's generate runs its rows one after another
         completions = model.generate(conversations, config)
     elif mode == "one at a time":
         completions = [model.generate([c], config)[0] for c in conversations]
@@ -112,6 +116,7 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--context-tokens", type=int, default=0, help="passages before each question (~tokens)")
+    parser.add_argument("--llamacpp", action="store_true", help="add llama.cpp on the same GGUF (extra `llamacpp`)")
     parser.add_argument("--home", type=Path, default=Path(__file__).parent / "_work" / "llm_batching" / "home")
     args = parser.parse_args()
 
@@ -123,11 +128,18 @@ def main() -> None:
     config = GenerationConfig(max_new_tokens=args.max_new_tokens)
     texts = prompts(args.context_tokens)
     run(model, "batched", GenerationConfig(max_new_tokens=2), QUESTIONS)  # warm-up: first-call allocations
+    models: dict[str, ChatModel] = {"one at a time": model, "batched": model, "hf generate": model}
+    if args.llamacpp:
+        started = time.perf_counter()
+        models["llama.cpp"] = load_llm("llamacpp:smollm2-135m-instruct", home=args.home, n_ctx=4096,
+                                       n_threads=args.threads)
+        print(f"llama.cpp loaded in {time.perf_counter() - started:.1f} s ({models['llama.cpp']!r})")
+        run(models["llama.cpp"], "llama.cpp", GenerationConfig(max_new_tokens=2), QUESTIONS[:2])  # warm-up
 
     best: dict[str, tuple[float, float, list]] = {}
     for _ in range(args.repeats):
-        for mode in ("one at a time", "batched", "hf generate"):
-            result = run(model, mode, config, texts)
+        for mode, mode_model in models.items():
+            result = run(mode_model, mode, config, texts)
             if mode not in best or result[0] < best[mode][0]:
                 best[mode] = result
 
@@ -144,6 +156,11 @@ def main() -> None:
     print(f"\nspeed-up batched / one at a time: {rates['batched'] / rates['one at a time']:.2f}x "
           f"(hf generate / one at a time: {rates['hf generate'] / rates['one at a time']:.2f}x)")
     print(f"identical greedy outputs: {same}/{len(QUESTIONS)}")
+    if "llama.cpp" in best:
+        same = sum(a.text == b.text for a, b in zip(best["llama.cpp"][2], best["one at a time"][2], strict=True))
+        print(f"llama.cpp / transformers one at a time: {rates['llama.cpp'] / rates['one at a time']:.2f}x, "
+              f"/ transformers batched: {rates['llama.cpp'] / rates['batched']:.2f}x; "
+              f"identical greedy outputs: {same}/{len(QUESTIONS)}")
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from medgraph.embed.encoder import load_encoder
-from medgraph.kg.qa import load_mirage
+from medgraph.eval.questions import load_mirage
 from medgraph.llm import load_llm
 from medgraph.llm.hf import cpu_has_bf16
 from medgraph.methods.registry import make_config, run_method

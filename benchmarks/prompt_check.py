@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from medgraph.embed.encoder import load_encoder
-from medgraph.kg.qa import load_mirage
+from medgraph.eval.questions import load_mirage
 from medgraph.llm import load_llm
 from medgraph.methods.registry import make_config, run_method
 from medgraph.methods.tools import KnowledgeTools

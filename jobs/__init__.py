@@ -45,7 +45,7 @@ evaluate_job = dg.define_asset_job(
 retrain_job = dg.define_asset_job(
     "retrain_models",
     selection=dg.AssetSelection.groups("models"),
-    description="Retrain the GAT, the HIIM projector and the Graph-R1 policy; champions move only if better.",
+    description="Retrain every models/* asset (GAT, HIIM projector, GSRM parameters, Graph-R1 SFT and policy); champions move only if better.",
     tags=gpu_run_tags(),
 )
 
@@ -55,7 +55,7 @@ weekly_retraining = dg.ScheduleDefinition(
     cron_schedule="0 3 * * 0",  # Sundays 03:00, when nobody waits on the GPU
     execution_timezone="UTC",
     default_status=dg.DefaultScheduleStatus.STOPPED,
-    description="Weekly retraining of gat_model, hiim_projector and graph_r1_policy.",
+    description="Weekly retraining of every models/* asset (GAT, HIIM projector, GSRM parameters, Graph-R1 SFT and policy).",
 )
 
 defs = dg.Definitions(jobs=[umls_ingest_job, evaluate_job, retrain_job], schedules=[weekly_retraining])

@@ -16,7 +16,7 @@ def main() -> int:
     failed and free their pool slots, so the next run does not wait forever on `warehouse`/`gpu`.
 
     Dagster itself frees slots only through the daemon's run monitoring, and its default run launcher
-    cannot tell that a run's process died; `dagster asset materialize` runs without a daemon at all."""
+    cannot tell that a run's process died; `dg launch` / `dagster asset materialize` run without a daemon at all."""
     if not os.environ.get("DAGSTER_HOME"):
         print("jobs.recovery: DAGSTER_HOME is not set: no Dagster instance to recover", file=sys.stderr)
         return 0
@@ -36,7 +36,7 @@ def recover_dead_runs(instance: dg.DagsterInstance) -> list[str]:
     """Mark STARTED/CANCELING runs of `instance` (a DagsterInstance on this machine) whose run process is
     gone as failed, and free the pool slots of every finished run that still holds some; what was done.
 
-    A run's process is the pid of its RUN_START event (the `dagster asset materialize` process, or the
+    A run's process is the pid of its RUN_START event (the `dg launch` process, or the
     run worker a launcher started). It is gone when no such process exists, it is a zombie, or the pid
     now belongs to a process started after the run (pid reuse)."""
     done: list[str] = []

@@ -23,9 +23,10 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from medgraph.llm.base import ChatModel
-    from medgraph.methods.a2rag import GraphTokenizer
+    from medgraph.methods.a2rag import GraphTokenEncoder
     from medgraph.methods.common import MethodResult
     from medgraph.retrieval import Retriever
+    from medgraph.settings import Settings
     from medgraph.storage import Warehouse
 
 # `medgraph ask` limits: the whole call (model loading included) and the question's length.
@@ -200,14 +201,15 @@ def _checked_value(key: str, raw: str, value: object, kind: object) -> object:
     return value
 
 
-def _champion_graph_tokenizer(llm: ChatModel, warehouse: Warehouse) -> GraphTokenizer | None:
+def _champion_graph_tokenizer(llm: ChatModel, warehouse: Warehouse, settings: Settings) -> GraphTokenEncoder | None:
     """HIIM's graph tokenizer when a projector for this LLM is registered; None means text-only."""
     try:
         from medgraph.gnn.graph_tokens import load_champion_graph_tokenizer
+        from medgraph.tracking import Tracking
     except ImportError:
         return None
     try:
-        return load_champion_graph_tokenizer(llm, warehouse)
+        return load_champion_graph_tokenizer(llm, warehouse, Tracking.from_settings(settings))
     except Exception as error:  # noqa: BLE001 - a broken registry must not stop a question being answered
         print(f"medgraph ask: HIIM graph tokens unavailable ({error}); answering text-only", file=sys.stderr)
         return None
@@ -371,7 +373,7 @@ def _cmd_ask(args: argparse.Namespace) -> int:
 
 def _checked_answer(args: argparse.Namespace, question: str, options: dict[str, str], deadline: float | None,
                     stage: list[str]) -> int:
-    from medgraph.kg.qa import QaItem
+    from medgraph.eval.questions import QaItem
     from medgraph.methods import make_config
     from medgraph.methods.registry import ABLATIONS, METHODS
 
@@ -409,13 +411,14 @@ def _answer(args: argparse.Namespace, item: Any, config: object, deadline: float
         llm, environment = _champion_policy(settings, args.method)
         given = {pair.split("=", 1)[0].strip() for pair in args.set}
         config = dataclasses.replace(config, **{k: v for k, v in environment.items() if k not in given})
-    llm = llm or load_llm(args.llm)
+    llm = llm or load_llm(args.llm or settings.llm, home=settings.home)
     if isinstance(llm, OpenAIChatModel) and deadline is not None:
         # Each request waits at most until the call's deadline (not 5 x 120 s of read timeouts and retries).
         llm.deadline = deadline
         llm.timeout_s = min(llm.timeout_s, args.timeout)
     try:
-        graph_tokenizer = _champion_graph_tokenizer(llm, warehouse) if method_of(args.method) == "a2rag" else None
+        graph_tokenizer = (_champion_graph_tokenizer(llm, warehouse, settings)
+                           if method_of(args.method) == "a2rag" else None)
         encoder = _LazyEncoder(lambda: load_encoder(settings.encoder))
         stage[0] = f"answering with {args.method} (LLM {redact_uri(args.llm or settings.llm)})"
         with Retriever(warehouse, encoder) as retriever:
@@ -437,20 +440,21 @@ def _answer(args: argparse.Namespace, item: Any, config: object, deadline: float
     return 0
 
 
-def _champion_policy(settings: object, method: str) -> tuple[ChatModel | None, dict[str, object]]:
+def _champion_policy(settings: Settings, method: str) -> tuple[ChatModel | None, dict[str, object]]:
     """The policy evaluation would run `method` with (the GRPO champion, else the SFT champion), or None for the
     base LLM, and the Graph-R1 environment it was trained in; says which policy on stderr."""
     try:
         from medgraph.rl.policy import choose_policy, load_chosen_policy, policy_environment
+        from medgraph.tracking import Tracking
     except ImportError:
         return None, {}
-    choice = choose_policy(method, tracking_uri=settings.mlflow_tracking_uri, home=settings.home)
+    tracking = Tracking.from_settings(settings)
+    choice = choose_policy(method, tracking)
     if choice.source is None:  # e.g. graph-r1-sft-only without a registered SFT policy: never run the base LLM instead
         print(f"medgraph ask: {method} {choice.description}", file=sys.stderr)
         raise SystemExit(2)
     print(f"policy: {choice.description}", file=sys.stderr)
-    return (load_chosen_policy(choice, tracking_uri=settings.mlflow_tracking_uri, home=settings.home),
-            policy_environment(choice.model_uri, tracking_uri=settings.mlflow_tracking_uri, home=settings.home))
+    return load_chosen_policy(choice, tracking), policy_environment(choice.model_uri, tracking)
 
 
 def _cmd_models(args: argparse.Namespace) -> int:
@@ -461,7 +465,7 @@ def _cmd_models(args: argparse.Namespace) -> int:
     from medgraph.tracking import Tracking
 
     settings = load_settings()
-    tracking = Tracking(settings.mlflow_tracking_uri, str(settings.home / "artifacts"))
+    tracking = Tracking.from_settings(settings)
     shown_uri = redact_uri(tracking.tracking_uri)
     client = tracking.client
     if args.action == "list":

@@ -25,7 +25,9 @@ MIN_MENTION_SCORE = 0.9
 
 
 @dataclass(frozen=True)
-class Chunk:
+class RetrievedChunk:
+    """A corpus chunk fetched as evidence, with the document and source it came from."""
+
     chunk_id: str
     doc_id: str
     source: str
@@ -139,7 +141,7 @@ class Retriever:
         return [reciprocal_rank_fusion([[c for c, _ in a], [c for c, _ in b]], limit=k)
                 for a, b in zip(lexical, dense)]
 
-    def chunks(self, chunk_ids: Sequence[str]) -> dict[str, Chunk]:
+    def chunks(self, chunk_ids: Sequence[str]) -> dict[str, RetrievedChunk]:
         wanted = sorted(set(chunk_ids))
         if not wanted:
             return {}
@@ -147,7 +149,7 @@ class Retriever:
             "SELECT chunk_id, doc_id, source, title, text FROM text.corpus_chunks WHERE chunk_id IN (SELECT unnest($c))",
             {"c": wanted},
         ).fetchall()
-        return {row[0]: Chunk(*row) for row in rows}
+        return {row[0]: RetrievedChunk(*row) for row in rows}
 
     def _doc_ids(self, chunk_ids: set[str]) -> dict[str, tuple[str, str]]:
         if not chunk_ids:

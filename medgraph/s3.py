@@ -3,9 +3,10 @@
 DuckDB reads and writes the lake's Parquet files on S3 itself (httpfs, loaded
 from the `duckdb-extension-httpfs` package file: `INSTALL httpfs` by name would
 go to the internet). boto3 does what DuckDB cannot: the server-side copy that
-publishes a table, deletes, sizes, listings and release downloads. The client
-is passed in (a dagster-aws `S3Resource` builds it in deployments), so this
-module knows nothing about Dagster.
+publishes a table, deletes, sizes, listings and release downloads. One function,
+`s3_client_and_options`, builds the boto3 client and DuckDB's options; the
+Dagster resources call it with their config, so this module knows nothing
+about Dagster.
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ from typing import Any
 from urllib.parse import urlparse
 
 import duckdb
+
+from medgraph.files import staging_path
 
 _S3_URI = re.compile(r"^s3://(?P<bucket>[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9])(?:/(?P<prefix>.*))?$")
 
@@ -91,31 +94,61 @@ def options_for(client: Any, session: Any) -> S3Options:
                      session_token=frozen.token if frozen else None)
 
 
-def s3_access(endpoint_url: str | None = None, secret_id: str | None = None) -> tuple[Any, S3Options]:
-    """A boto3 S3 client and DuckDB's options, outside Dagster (the CLI, training launchers): keys from
-    the AWS chain, or from the Secrets Manager secret `secret_id` (JSON with aws_access_key_id,
-    aws_secret_access_key, optionally aws_session_token). The Dagster resources build the same pair
-    with dagster-aws (resources/aws.py)."""
-    import boto3
-    import botocore.config
+class SecretValueError(ValueError):
+    """A Secrets Manager secret is missing or does not have the expected shape (the message never holds values)."""
+
+
+def read_json_secret(secrets_client: Any, secret_id: str, required: tuple[str, ...] = ()) -> dict[str, str]:
+    """The JSON object stored in the Secrets Manager secret `secret_id`, with every `required` key present."""
     import botocore.exceptions
 
-    session = boto3.session.Session()
-    if secret_id:
-        try:
-            raw = session.client("secretsmanager").get_secret_value(SecretId=secret_id)["SecretString"]
-            values = json.loads(raw)
-        except (botocore.exceptions.BotoCoreError, botocore.exceptions.ClientError, ValueError) as error:
-            # Say which secret failed, never what is in it.
-            raise ValueError(f"cannot read AWS keys from secret {secret_id!r}: {type(error).__name__}") from None
-        if not isinstance(values, dict) or not values.get("aws_access_key_id") \
-                or not values.get("aws_secret_access_key"):
-            raise ValueError(f"secret {secret_id!r} lacks aws_access_key_id / aws_secret_access_key")
-        session = boto3.session.Session(aws_access_key_id=values["aws_access_key_id"],
-                                        aws_secret_access_key=values["aws_secret_access_key"],
-                                        aws_session_token=values.get("aws_session_token"))
-    config = botocore.config.Config(retries={"max_attempts": 5, "mode": "standard"})
-    client = session.client("s3", endpoint_url=endpoint_url, config=config)
+    try:
+        raw = secrets_client.get_secret_value(SecretId=secret_id)["SecretString"]
+    except (botocore.exceptions.BotoCoreError, botocore.exceptions.ClientError) as error:
+        # Say which secret failed, never what is in it.
+        raise SecretValueError(f"cannot read secret {secret_id!r} from Secrets Manager: "
+                               f"{type(error).__name__}") from None
+    try:
+        values = json.loads(raw)
+    except ValueError:
+        raise SecretValueError(f"secret {secret_id!r} is not a JSON object") from None
+    if not isinstance(values, dict):
+        raise SecretValueError(f"secret {secret_id!r} is not a JSON object")
+    missing = [k for k in required if not values.get(k)]
+    if missing:
+        raise SecretValueError(f"secret {secret_id!r} lacks the keys {missing}")
+    return {k: str(v) for k, v in values.items()}
+
+
+_AWS_KEY_NAMES = ("aws_access_key_id", "aws_secret_access_key", "aws_session_token")
+
+
+def s3_client_and_options(endpoint_url: str | None = None, credentials_secret_id: str | None = None, *,
+                          region_name: str | None = None, profile_name: str | None = None,
+                          aws_access_key_id: str | None = None, aws_secret_access_key: str | None = None,
+                          aws_session_token: str | None = None, max_attempts: int = 5, use_ssl: bool = True,
+                          verify: bool | None = None, secrets_endpoint_url: str | None = None,
+                          ) -> tuple[Any, S3Options]:
+    """A boto3 S3 client and DuckDB's options for the same endpoint, region and credentials: the one builder
+    behind the CLI, the launchers and the Dagster resources (resources/warehouse.py `S3Access`).
+
+    Keys come from the AWS chain (env, profile, role), or from the Secrets Manager secret
+    `credentials_secret_id` (JSON with aws_access_key_id, aws_secret_access_key, optionally
+    aws_session_token; Secrets Manager at `secrets_endpoint_url`, else boto3's own
+    AWS_ENDPOINT_URL_SECRETS_MANAGER or AWS). One session serves the client and DuckDB, so both act with the
+    same identity."""
+    import boto3
+    import botocore.config
+
+    config = botocore.config.Config(retries={"max_attempts": max_attempts, "mode": "standard"})
+    keys = dict(zip(_AWS_KEY_NAMES, (aws_access_key_id, aws_secret_access_key, aws_session_token), strict=True))
+    if credentials_secret_id:
+        secrets = boto3.session.Session(profile_name=profile_name, region_name=region_name).client(
+            "secretsmanager", endpoint_url=secrets_endpoint_url, config=config)
+        values = read_json_secret(secrets, credentials_secret_id, _AWS_KEY_NAMES[:2])
+        keys = {k: values.get(k) for k in _AWS_KEY_NAMES}
+    session = boto3.session.Session(profile_name=profile_name, region_name=region_name, **keys)
+    client = session.client("s3", endpoint_url=endpoint_url, use_ssl=use_ssl, verify=verify, config=config)
     return client, options_for(client, session)
 
 
@@ -280,7 +313,7 @@ class S3Lake:
         if target.is_file() and target.stat().st_size == size:
             return target
         target.parent.mkdir(parents=True, exist_ok=True)
-        partial = target.parent / f".{target.name}.{uuid.uuid4().hex[:8]}.part"
+        partial = staging_path(target, ".part")
         try:
             self._download(key, etag, size, partial)
             os.replace(partial, target)  # a failed download never leaves a truncated file under its name
@@ -403,7 +436,7 @@ def download_release(client: Any, uri: str, cache_dir: Path, names: tuple[str, .
         stamp = f"{obj.etag} {obj.size}"
         if target.is_file() and marker.is_file() and marker.read_text() == stamp:
             continue
-        partial = local / f".{name}.{uuid.uuid4().hex[:8]}.part"
+        partial = staging_path(target, ".part")
         try:
             client.download_file(bucket, obj.key, str(partial))
             if partial.stat().st_size != obj.size:

@@ -1,4 +1,4 @@
-"""Platform settings, read from the environment in one place (see DESIGN.md "Settings")."""
+"""Platform settings, read from the environment in one place (see docs/ARCHITECTURE.md "Settings")."""
 
 from __future__ import annotations
 
@@ -65,7 +65,7 @@ class Settings:
 
 
 def load_settings(env: dict[str, str] | None = None) -> Settings:
-    """Settings from `env` (default: the process environment), with DESIGN.md defaults."""
+    """Settings from `env` (default: the process environment), with docs/ARCHITECTURE.md defaults."""
     env = os.environ if env is None else env
     home = Path(env.get("MEDGRAPH_HOME") or "./.medgraph").expanduser().resolve()
     profile = env.get("MEDGRAPH_PROFILE") or "demo"

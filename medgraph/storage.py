@@ -12,7 +12,7 @@ warehouse itself is always a local DuckDB file, whose views then point at
 `s3://` paths. `open_lake` picks one from a location string.
 
 A home can move: views hold absolute paths (so a plain `duckdb warehouse.duckdb`
-reads them too), and `Warehouse.open` re-points views that read a local lake
+reads them too), and `Warehouse.open_connection` re-points views that read a local lake
 other than the configured one (a moved or copied MEDGRAPH_HOME) at the same
 files of the configured lake, in one transaction, before anything reads them.
 """
@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 import duckdb
 
-from medgraph.s3 import S3Lake, S3Options, is_s3_uri, s3_access
+from medgraph.s3 import S3Lake, S3Options, is_s3_uri, s3_client_and_options
 
 if TYPE_CHECKING:
     from medgraph.settings import Settings
@@ -47,6 +47,19 @@ _LOCK_WAIT_SECONDS = 120.0
 
 # A string literal in the SQL text DuckDB keeps for a view ('' is an escaped quote).
 _SQL_STRING = re.compile(r"'((?:[^']|'')*)'")
+
+
+@contextmanager
+def transaction(con: duckdb.DuckDBPyConnection) -> Iterator[duckdb.DuckDBPyConnection]:
+    """BEGIN ... COMMIT on `con`, ROLLBACK on any exception (KeyboardInterrupt too): readers see all of the
+    block's writes or none of them."""
+    con.execute("BEGIN")
+    try:
+        yield con
+    except BaseException:
+        con.execute("ROLLBACK")
+        raise
+    con.execute("COMMIT")
 
 
 def quote_ident(name: str) -> str:
@@ -179,15 +192,24 @@ def open_lake(location: str | Path, local_dir: Path, s3_client: Any = None,
     return S3Lake(str(location).rstrip("/"), s3_client, s3_options, local_dir)
 
 
+def warehouse_at(home: Path, lake: str | None = None, *, s3_endpoint_url: str | None = None,
+                 s3_secret_id: str | None = None, memory_limit: str = "2GB", threads: int | None = None) -> Warehouse:
+    """The warehouse `<home>/warehouse.duckdb` over the lake `lake` (a directory or `s3://bucket/prefix`;
+    None: `<home>/lake`). An S3 lake is reached at `s3_endpoint_url` (None: AWS) with keys from the AWS chain
+    or the Secrets Manager secret `s3_secret_id`. The one place a warehouse is laid out: the Dagster
+    resource, the CLI and the launchers all call it, so each sees what the others wrote."""
+    location = lake or str(home / "lake")
+    client, options = s3_client_and_options(s3_endpoint_url, s3_secret_id) if is_s3_uri(location) \
+        else (None, None)
+    return Warehouse(home / "warehouse.duckdb", open_lake(location, home / "lake_local", client, options),
+                     memory_limit, threads)
+
+
 def open_warehouse(settings: Settings, memory_limit: str = "2GB", threads: int | None = None) -> Warehouse:
     """The configured warehouse and lake (MEDGRAPH_HOME, MEDGRAPH_LAKE, MEDGRAPH_S3_ENDPOINT_URL,
-    MEDGRAPH_AWS_SECRET_ID) outside Dagster, laid out exactly as `WarehouseResource.open` lays it out,
-    so the CLI and the launchers see what the assets wrote."""
-    location = settings.lake_location
-    client, options = s3_access(settings.s3_endpoint_url, settings.aws_secret_id) if is_s3_uri(location) \
-        else (None, None)
-    lake = open_lake(location, settings.home / "lake_local", client, options)
-    return Warehouse(settings.warehouse_path, lake, memory_limit, threads)
+    MEDGRAPH_AWS_SECRET_ID) outside Dagster: `warehouse_at` with the settings' values."""
+    return warehouse_at(settings.home, settings.lake or None, s3_endpoint_url=settings.s3_endpoint_url,
+                        s3_secret_id=settings.aws_secret_id, memory_limit=memory_limit, threads=threads)
 
 
 @dataclass(frozen=True)
@@ -199,7 +221,7 @@ class Warehouse:
     memory_limit: str = "2GB"
     threads: int | None = None
 
-    def open(self, read_only: bool = False) -> duckdb.DuckDBPyConnection:
+    def open_connection(self, read_only: bool = False) -> duckdb.DuckDBPyConnection:
         """A connection the caller closes (long-lived readers). Every connection of this
         process uses the same configuration, as DuckDB requires for one database file.
 
@@ -233,8 +255,8 @@ class Warehouse:
 
     def repoint_lake_views(self) -> list[str]:
         """Point every view that reads files of another local lake at the same files of this lake, in one
-        transaction; returns the views changed. `open` does this by itself; dbt, which opens the warehouse
-        file on its own, needs it called first."""
+        transaction; returns the views changed. `open_connection` does this by itself; dbt, which opens the
+        warehouse file on its own, needs it called first."""
         if not self.lake.is_local:
             return []  # views over an S3 lake do not depend on where MEDGRAPH_HOME is
         try:
@@ -254,7 +276,7 @@ class Warehouse:
 
     @contextmanager
     def connect(self, read_only: bool = False) -> Iterator[duckdb.DuckDBPyConnection]:
-        con = self.open(read_only)
+        con = self.open_connection(read_only)
         try:
             yield con
         finally:
@@ -286,19 +308,13 @@ class Warehouse:
     def register_parquet_views(self, schema: str, parquet_by_table: dict[str, Path | str]) -> None:
         """Point every `schema.<table>` at its Parquet file in ONE transaction: readers see all the old
         files or all the new ones (a UMLS release moves its five tables together)."""
-        with self.connect() as con:
-            con.execute("BEGIN")
-            try:
-                con.execute(f"CREATE SCHEMA IF NOT EXISTS {quote_ident(schema)}")
-                for table, parquet in parquet_by_table.items():
-                    con.execute(
-                        f"CREATE OR REPLACE VIEW {quote_ident(schema)}.{quote_ident(table)} AS "
-                        f"SELECT * FROM read_parquet({sql_literal(str(parquet))})"
-                    )
-                con.execute("COMMIT")
-            except BaseException:
-                con.execute("ROLLBACK")
-                raise
+        with self.connect() as con, transaction(con):
+            con.execute(f"CREATE SCHEMA IF NOT EXISTS {quote_ident(schema)}")
+            for table, parquet in parquet_by_table.items():
+                con.execute(
+                    f"CREATE OR REPLACE VIEW {quote_ident(schema)}.{quote_ident(table)} AS "
+                    f"SELECT * FROM read_parquet({sql_literal(str(parquet))})"
+                )
 
     def view_files(self, schema: str) -> dict[str, list[str]]:
         """The files each view of `schema` reads (the string literals of its SQL), by view name."""
@@ -383,15 +399,10 @@ def _sql_over_lake(sql: str, schema: str, lake_root: str) -> tuple[str, list[tup
 def _repoint_in_transaction(con: duckdb.DuckDBPyConnection, lake_root: str) -> list[str]:
     """Re-point the stale views in one transaction (looked up again inside it: another process may have
     done it meanwhile)."""
-    con.execute("BEGIN")
-    try:
+    with transaction(con):
         moves = lake_views_to_repoint(con, lake_root)
         for move in moves:
             con.execute(move.create_sql)
-        con.execute("COMMIT")
-    except BaseException:
-        con.execute("ROLLBACK")
-        raise
     if moves:
         log.warning("re-pointed %d warehouse views at the lake %s (they read another lake, e.g. %s: the home "
                     "was moved or copied)", len(moves), lake_root, moves[0].old_path)

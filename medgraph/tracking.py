@@ -1,4 +1,4 @@
-"""MLflow conventions of the platform (DESIGN.md "MLflow conventions").
+"""MLflow conventions of the platform (docs/ARCHITECTURE.md "MLflow conventions").
 
 One experiment per asset (`medgraph/<asset>`), runs tagged with where they came
 from, models registered by name, and the `champion` alias moved only when a
@@ -9,6 +9,8 @@ alias (`models:/medgraph-gat@champion`), never by version number.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import os
 import re
@@ -23,11 +25,13 @@ import mlflow
 from mlflow import MlflowClient
 from mlflow.exceptions import MlflowException
 
-from medgraph.settings import redact_uri
+from medgraph.settings import Settings, redact_uri
 
 log = logging.getLogger(__name__)
 
 CHAMPION = "champion"
+# `data_version/<asset key>` tags on a run: the data version of each input it read (set by the Dagster resource).
+DATA_VERSION_TAG = "data_version/"
 
 
 # MLflow accepts only alphanumerics, `_ - . : /` and spaces in metric names; our statistics use labels such as
@@ -38,15 +42,6 @@ _UNSAFE_METRIC_CHARS = re.compile(r"[^A-Za-z0-9_\-. :/]")
 def metric_name(name: str) -> str:
     """`name` with every character MLflow rejects replaced by `_` ("a2rag/routing_share/KG+Text" -> "..._KG_Text")."""
     return _UNSAFE_METRIC_CHARS.sub("_", name)
-
-
-# Every registered model of the platform, by what it is. Evaluation finds each by `<name>@champion`.
-MODEL_NAMES: dict[str, str] = {
-    "gat": "medgraph-gat",
-    "hiim_projector": "medgraph-hiim-projector",
-    "graph_r1_sft": "medgraph-graph-r1-sft",
-    "graph_r1_policy": "medgraph-graph-r1-policy",
-}
 
 
 @dataclass(frozen=True)
@@ -67,6 +62,36 @@ class Gate:
 
     def not_worse_than(self, candidate: float, reference: float) -> bool:
         return candidate >= reference if self.higher_is_better else candidate <= reference
+
+
+@dataclass(frozen=True)
+class RegisteredModel:
+    """A model the platform registers in MLflow: its registered name and the gate its `champion` alias
+    moves by. Evaluation finds each by `<name>@champion`."""
+
+    key: str
+    name: str
+    gate: Gate
+    description: str
+
+
+GAT_MODEL = RegisteredModel(
+    "gat", "medgraph-gat", Gate("valid_roc_auc"),
+    "the GAT pretrained by triple classification (models/gat_model); vs the same GAT untrained")
+HIIM_PROJECTOR_MODEL = RegisteredModel(
+    "hiim_projector", "medgraph-hiim-projector", Gate("valid_answer_nll", higher_is_better=False),
+    "HIIM's W_proj (models/hiim_projector); vs A2RAG's text-only answer")
+# Both Graph-R1 gates: the reward is the finer signal on few questions; accuracy guards against a format-only gain.
+GRAPH_R1_SFT_MODEL = RegisteredModel(
+    "graph_r1_sft", "medgraph-graph-r1-sft", Gate("valid_reward", not_worse=("valid_accuracy",)),
+    "the cold-start SFT policy (models/graph_r1_sft); vs the base model")
+GRAPH_R1_POLICY_MODEL = RegisteredModel(
+    "graph_r1_policy", "medgraph-graph-r1-policy", Gate("valid_reward", not_worse=("valid_accuracy",)),
+    "the GRPO policy (models/graph_r1_policy); vs its SFT start validated at step 0")
+
+# Every registered model of the platform, by key.
+MODELS: dict[str, RegisteredModel] = {model.key: model for model in
+                                      (GAT_MODEL, HIIM_PROJECTOR_MODEL, GRAPH_R1_SFT_MODEL, GRAPH_R1_POLICY_MODEL)}
 
 
 @dataclass(frozen=True)
@@ -127,6 +152,52 @@ class Promotion:
         }
 
 
+@dataclass(frozen=True)
+class Registration:
+    """A logged model registered as a new version and gated: what a model asset reports."""
+
+    model: RegisteredModel
+    run_id: str  # the MLflow run that logged the model
+    version: str
+    promotion: Promotion
+    champion_version: str | None  # after the gate: `version` if it was promoted, else the previous champion
+
+    @property
+    def model_uri(self) -> str:
+        return f"models:/{self.model.name}/{self.version}"
+
+    @property
+    def champion_uri(self) -> str:
+        return f"models:/{self.model.name}@{CHAMPION}"
+
+    @property
+    def data_version(self) -> str:
+        """`<name>@champion=v<N>`: downstream assets load the champion, so a version that does not beat it
+        leaves the model asset's data version, and everything below it, unchanged."""
+        return f"{self.model.name}@{CHAMPION}=v{self.champion_version}"
+
+    def as_metadata(self) -> dict[str, object]:
+        return {
+            "mlflow_run_id": self.run_id,
+            "model_uri": self.model_uri,
+            "registered_model": self.model.name,
+            "model_version": self.version,
+            "champion_uri": self.champion_uri,
+            **self.promotion.as_metadata(),
+        }
+
+
+def checkpoint_dir(root: Path, run: mlflow.entities.Run, config: Mapping[str, object], **identity: str) -> Path:
+    """The folder under `root` for a training run's checkpoints, one per (settings in `config`, input data
+    versions tagged on the MLflow `run`, and `identity`, e.g. the starting policy): a retry resumes its own
+    interrupted run, never another's. `progress` and `device` change how a model is trained, not which."""
+    inputs = {key.removeprefix(DATA_VERSION_TAG): value for key, value in run.data.tags.items()
+              if key.startswith(DATA_VERSION_TAG)}
+    settings = {key: value for key, value in config.items() if key not in ("progress", "device")}
+    key = json.dumps({"config": settings, **identity, "inputs": inputs}, sort_keys=True, default=str)
+    return Path(root) / hashlib.sha256(key.encode()).hexdigest()[:16]
+
+
 def redacted_tags(tags: Mapping[str, object] | None) -> dict[str, str]:
     """MLflow tags with any credentials in URI-like values redacted (tags are shown in the UI and logs)."""
     return {key: redact_uri(str(value)) for key, value in (tags or {}).items()}
@@ -138,6 +209,14 @@ class Tracking:
 
     tracking_uri: str
     artifact_root: str  # a local directory or an s3:// prefix
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> Tracking:
+        """MLFLOW_TRACKING_URI (default: SQLite under MEDGRAPH_HOME); artifacts under MEDGRAPH_MLFLOW_ARTIFACTS
+        (e.g. s3://bucket/mlflow: MLflow then writes through boto3, with MLFLOW_S3_ENDPOINT_URL for an
+        S3-compatible server), default `$MEDGRAPH_HOME/artifacts`. A tracking server started with
+        --serve-artifacts needs neither: it stores artifacts itself."""
+        return cls(settings.mlflow_tracking_uri, settings.mlflow_artifacts or str(settings.home / "artifacts"))
 
     @property
     def client(self) -> MlflowClient:
@@ -211,11 +290,14 @@ class Tracking:
         except MlflowException:
             return None
 
-    def register_and_gate(self, model_uri: str, name: str, gate: Gate, baseline: Baseline,
-                          tags: Mapping[str, str] | None = None) -> tuple[str, Promotion]:
-        """Register a logged model as a new version of `name` and run its champion gate: (version, decision)."""
-        version = self.register(model_uri, name, tags)
-        return version, self.promote_if_better(name, version, gate, baseline=baseline)
+    def register_and_gate(self, model_uri: str, model: RegisteredModel, baseline: Baseline,
+                          tags: Mapping[str, str] | None = None) -> Registration:
+        """Register a logged model as a new version of `model`, run its champion gate against the champion
+        or, with none, `baseline`, and read the champion back: every model training ends with this."""
+        version = self.register(model_uri, model.name, tags)
+        promotion = self.promote_if_better(model.name, version, model.gate, baseline=baseline)
+        run_id = self.client.get_model_version(model.name, version).run_id
+        return Registration(model, run_id, version, promotion, self.champion_version(model.name))
 
     def metrics_of(self, name: str, version: str) -> dict[str, float]:
         run_id = self.client.get_model_version(name, version).run_id

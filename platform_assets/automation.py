@@ -20,6 +20,8 @@ is better, and `champion_sensor` re-evaluates every method when one moves. So da
 with the current champions, and the schedule batches a week's changes into one retraining at a quiet hour.
 """
 
+from collections.abc import Callable, Sequence
+
 import dagster as dg
 
 AC = dg.AutomationCondition
@@ -51,3 +53,19 @@ def on_data_version_change_once_settled() -> dg.AutomationCondition:
     run in a later tick, so without the wait the report would run once before the evaluations and once after."""
     return (on_data_version_change() & ~AC.any_deps_match(any_deps_data_version_changed())).with_label(
         "on_data_version_change_once_settled")
+
+
+def gpu_model_asset(name: str, deps: Sequence[dg.AssetKey], code_version: str) -> Callable[..., dg.AssetsDefinition]:
+    """The decorator of a GPU model asset `models/<name>`: group `models`, kinds pytorch and mlflow, the one slot of
+    the `gpu` pool, the accelerator tag, and no automation condition (retrained by the `weekly_retraining`
+    schedule, see above)."""
+    return dg.asset(
+        key=["models", name],
+        deps=deps,
+        group_name="models",
+        kinds={"pytorch", "mlflow"},
+        pool="gpu",
+        code_version=code_version,
+        tags={"medgraph/accelerator": "gpu"},
+        automation_condition=None,
+    )

@@ -42,7 +42,7 @@ def _embedding_asset(target: str) -> dg.AssetsDefinition:
     )
     def _embed(context: dg.AssetExecutionContext, config: EmbeddingConfig, warehouse: WarehouseResource,
                encoder: EncoderResource) -> dg.MaterializeResult:
-        store = warehouse.open()
+        store = warehouse.get_warehouse()
         source = EMBEDDING_SOURCES[target]
         stats = embed_table(store, embedding_source_sql(target, config.relations), target, encoder.load(),
                             id_column=source.id_column,

@@ -24,12 +24,12 @@ from medgraph.eval.monitoring import (
     latency_p95_alarm,
     step_budget_alarm,
 )
-from medgraph.kg.qa import load_mirage, write_mirage
+from medgraph.eval.questions import load_mirage, write_mirage
 from medgraph.methods.registry import make_config, run_method
 from medgraph.methods.tools import KnowledgeTools
 from medgraph.retrieval import Retriever
 from medgraph.settings import load_settings, redact_uri
-from medgraph.tracking import MODEL_NAMES, metric_name
+from medgraph.tracking import GRAPH_R1_POLICY_MODEL, MODELS, Tracking, metric_name
 from medgraph.umls.schema import MRCONSO
 from platform_assets.automation import on_data_version_change, on_data_version_change_once_settled
 from resources import EncoderResource, LlmResource, MlflowResource, WarehouseResource
@@ -81,14 +81,14 @@ class EvalConfig(dg.Config):
     """JSON object: method or ablation name -> configuration overrides, e.g. {"a2rag": {"tau": 0.4}}."""
 
 
-def _load_graph_tokenizer(chat, store, tracking_uri: str):
+def _load_graph_tokenizer(chat, store, tracking: Tracking):
     from medgraph.gnn.graph_tokens import load_champion_graph_tokenizer
 
-    return load_champion_graph_tokenizer(chat, store, tracking_uri)
+    return load_champion_graph_tokenizer(chat, store, tracking)
 
 
-def _load_policy(methods: list[str] | tuple[str, ...], tracking_uri: str,
-                 home: Path) -> tuple[dict[str, tuple], dict[str, object]]:
+def _load_policy(methods: list[str] | tuple[str, ...],
+                 tracking: Tracking) -> tuple[dict[str, tuple], dict[str, object]]:
     """Graph-R1 method or ablation -> (PolicyChoice, its chat model or None for the base LLM): `graph-r1`
     the GRPO champion, else the SFT champion, else the base LLM; `graph-r1-sft-only` the SFT champion or
     nothing (choice.source None: skipped); `graph-r1-no-sft` the base LLM. Each model is loaded once.
@@ -100,12 +100,12 @@ def _load_policy(methods: list[str] | tuple[str, ...], tracking_uri: str,
     loaded: dict[str | None, object] = {None: None}
     policies = {}
     for method in (m for m in methods if method_of(m) == "graph-r1"):
-        choice = choose_policy(method, tracking_uri, home)
+        choice = choose_policy(method, tracking)
         if choice.model_uri not in loaded:
-            loaded[choice.model_uri] = load_chosen_policy(choice, tracking_uri, home)
+            loaded[choice.model_uri] = load_chosen_policy(choice, tracking)
         policies[method] = (choice, loaded[choice.model_uri])
     trained = sorted((m != "graph-r1", c.model_uri) for m, (c, _) in policies.items() if c.model_uri)
-    environment = policy_environment(trained[0][1], tracking_uri, home) if trained else {}
+    environment = policy_environment(trained[0][1], tracking) if trained else {}
     return policies, environment
 
 
@@ -131,11 +131,11 @@ def _eval_asset(name: str, methods: tuple[str, ...], model_deps: tuple[dg.AssetK
         home = Path(warehouse.home)
         items = load_mirage(home / "eval" / "benchmark" / f"{dataset}.json")[: config.limit]
         overrides = json.loads(config.method_config)
-        store = warehouse.open()
+        store = warehouse.get_warehouse()
         chat = llm.load()
-        tracking_uri = mlflow_tracking.tracking_uri
-        graph_tokenizer = _load_graph_tokenizer(chat, store, tracking_uri) if "a2rag" in name else None
-        policies, environment = _load_policy(config.methods or methods, tracking_uri, home)
+        tracking = mlflow_tracking.tracking()
+        graph_tokenizer = _load_graph_tokenizer(chat, store, tracking) if "a2rag" in name else None
+        policies, environment = _load_policy(config.methods or methods, tracking)
         lineage = {"llm": chat.name, "encoder": encoder.load().encoder_id,
                    "hiim": "graph-tokens" if graph_tokenizer is not None else "text-only",
                    "graph_r1_policy": "; ".join(f"{m}: {c.description}" for m, (c, _) in policies.items()) or "n/a"}
@@ -244,18 +244,18 @@ def _monitoring_checks(asset: dg.AssetsDefinition) -> list[dg.AssetChecksDefinit
     @dg.asset_check(asset=asset, name="latency_p95_within_budget",
                     description="p95 latency per question of each method vs LatencyBudget.max_p95_s.")
     def latency_p95_within_budget(config: LatencyBudget, warehouse: WarehouseResource) -> dg.AssetCheckResult:
-        return _guarded(lambda: latency_p95_alarm(warehouse.open(), name, config.max_p95_s))
+        return _guarded(lambda: latency_p95_alarm(warehouse.get_warehouse(), name, config.max_p95_s))
 
     @dg.asset_check(asset=asset, name="cost_per_question_within_budget",
                     description="Estimated cost per question (tokens x configured price) vs CostBudget.")
     def cost_per_question_within_budget(config: CostBudget, warehouse: WarehouseResource) -> dg.AssetCheckResult:
         price = TokenPrice(config.prompt_usd_per_1k_tokens, config.completion_usd_per_1k_tokens)
-        return _guarded(lambda: cost_alarm(warehouse.open(), name, price, config.max_usd_per_question))
+        return _guarded(lambda: cost_alarm(warehouse.get_warehouse(), name, price, config.max_usd_per_question))
 
     @dg.asset_check(asset=asset, name="step_budgets_respected",
                     description="No question exceeded the agent step budget or GSRM's iteration count.")
     def step_budgets_respected(config: StepBudget, warehouse: WarehouseResource) -> dg.AssetCheckResult:
-        return _guarded(lambda: step_budget_alarm(warehouse.open(), name, config.max_agent_steps,
+        return _guarded(lambda: step_budget_alarm(warehouse.get_warehouse(), name, config.max_agent_steps,
                                                   config.max_gsrm_iterations))
 
     return [latency_p95_within_budget, cost_per_question_within_budget, step_budgets_respected]
@@ -318,11 +318,11 @@ def evaluation_report(context: dg.AssetExecutionContext, config: ReportConfig, w
     table, routing, rounds, GRPO curves, cost, and the lineage of every number. Writes `eval.paired_comparisons`."""
     from medgraph.eval.report import assemble, build_report
 
-    store = warehouse.open()
+    store = warehouse.get_warehouse()
     tracking = mlflow_tracking.tracking()
     lineage = {"release fingerprint": _ingested_release_fingerprint(context.instance),
                "encoder": encoder.spec, "LLM": redact_uri(llm.spec), "benchmark": redact_uri(SETTINGS.benchmark)}
-    for name in MODEL_NAMES.values():
+    for name in (model.name for model in MODELS.values()):
         lineage[f"{name}@champion"] = f"v{tracking.champion_version(name)}" if tracking.champion_version(name) \
             else "none registered"
     for key, field in (("graph-r1 policy", "graph_r1_policy"), ("GSRM tau", "gsrm_tau"),
@@ -332,7 +332,7 @@ def evaluation_report(context: dg.AssetExecutionContext, config: ReportConfig, w
         value = _latest_metadata(context.instance, dg.AssetKey(["eval", asset]), field)
         if value is not None:
             lineage[key] = value
-    data = assemble(store, lineage, _reward_curves(tracking, "medgraph-graph-r1-policy"), config.reference)
+    data = assemble(store, lineage, _reward_curves(tracking, GRAPH_R1_POLICY_MODEL.name), config.reference)
     if not data.summaries:
         raise dg.Failure("no evaluation results yet: materialize the eval/* assets first")
     paths = build_report(data, Path(warehouse.home) / "reports")

@@ -23,7 +23,7 @@ from medgraph.eval.gsrm import (
     sweep_markdown,
     write_gsrm_params,
 )
-from medgraph.kg.qa import QaItem, load_mirage
+from medgraph.eval.questions import QaItem, load_mirage
 from medgraph.methods.a2rag import A2RagConfig
 from medgraph.methods.tools import KnowledgeTools
 from medgraph.retrieval import Retriever
@@ -60,7 +60,7 @@ def gsrm_params(context: dg.AssetExecutionContext, config: GsrmSweepConfig, ware
     (`medgraph.eval.gsrm.choose_gsrm_params`), written to `$MEDGRAPH_HOME/models/gsrm_params.json`."""
     home = Path(warehouse.home)
     items = _items(home, "validation", config.limit)
-    with Retriever(warehouse.open(), encoder.load()) as retriever, \
+    with Retriever(warehouse.get_warehouse(), encoder.load()) as retriever, \
             mlflow_tracking.start_asset_run(context, PARAMS_INPUTS) as run:
         sweep = sweep_gsrm(KnowledgeTools(retriever), items, config.taus, config.iterations, config.top_ns,
                            config.max_triples_per_relation, config.batch_size, progress=context.log.info)
@@ -103,7 +103,7 @@ def gsrm_recall(context: dg.AssetExecutionContext, config: GsrmRecallConfig, war
         raise dg.Failure("no $MEDGRAPH_HOME/models/gsrm_params.json: materialize models/gsrm_params first")
     tau, top_n = float(params["tau"]), int(params["top_n"])
     items = _items(home, "test", config.limit)
-    store = warehouse.open()
+    store = warehouse.get_warehouse()
     hub_guard = params.get("max_triples_per_relation", A2RagConfig.max_triples_per_relation)  # as tuned
     with Retriever(store, encoder.load()) as retriever:
         curves = gsrm_recall_curves(KnowledgeTools(retriever), items, tau,

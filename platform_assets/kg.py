@@ -35,7 +35,7 @@ class KgTranslator(DagsterDbtTranslator):
 )
 def kg_dbt_models(context: dg.AssetExecutionContext, dbt: DbtCliResource, warehouse: WarehouseResource):
     """Staging views over `umls.*`, then `kg.kg_nodes`, `kg.kg_edges`, `kg.kg_node_text`, `kg.kg_relations`."""
-    store = warehouse.open()
+    store = warehouse.get_warehouse()
     store.repoint_lake_views()  # dbt opens the file itself: the umls views must read this home's lake
     args = ["build", "--vars", json.dumps({"warehouse_path": str(store.path)})]
     lake_env: dict[str, str] = {}

@@ -9,7 +9,7 @@ The policy asset registers each trained version as `medgraph-graph-r1-policy`
 and moves `champion` only when it beats the champion or, with none, its SFT
 start as validated at step 0 (same profile and seed: the same validation
 questions). Both gates: validation reward strictly higher and accuracy not
-lower (medgraph/rl/policy.py). The policy's data version is the champion's
+lower (the registry in medgraph/tracking.py). The policy's data version is the champion's
 version, so a run that loses the gate triggers nothing downstream.
 """
 
@@ -19,27 +19,28 @@ from pathlib import Path
 import dagster as dg
 import mlflow
 
-from medgraph.llm.hf import TransformersChatModel, autocast
+from medgraph.eval.questions import QaItem
+from medgraph.llm.hf import TransformersChatModel
 from medgraph.methods.graph_r1 import GraphR1Env
 from medgraph.retrieval import Retriever
-from medgraph.rl.grpo import GrpoConfig, resume_dir, train_grpo, training_curves_figure
+from medgraph.rl.grpo import GrpoConfig, train_grpo
 from medgraph.rl.model import save_policy
 from medgraph.rl.policy import (
-    POLICY_GATE,
-    POLICY_MODEL_NAME,
-    SFT_GATE,
-    SFT_MODEL_NAME,
     VALIDATION_KEY_TAG,
     base_model_baseline,
     download_checkpoint,
+    log_grpo_result,
     log_policy,
     recorded_validation,
     sft_start_baseline,
+    validate,
 )
-from medgraph.rl.rollout import evaluate, validation_key
+from medgraph.rl.rollout import validation_key
 from medgraph.rl.sft import SftConfig, expert_demonstrations, load_qa_items, train_sft
 from medgraph.settings import load_settings
-from medgraph.tracking import Tracking
+from medgraph.storage import Warehouse
+from medgraph.tracking import GRAPH_R1_POLICY_MODEL, GRAPH_R1_SFT_MODEL, Tracking, checkpoint_dir
+from platform_assets.automation import gpu_model_asset
 from resources import EncoderResource, LlmResource, MlflowResource, WarehouseResource
 
 SFT_KEY = dg.AssetKey(["models", "graph_r1_sft"])
@@ -81,6 +82,14 @@ def _prefixed(metrics: dict[str, float], prefix: str) -> dict[str, float]:
     return {f"{prefix}{k}": float(v) for k, v in metrics.items()}
 
 
+def _validation_items(store: Warehouse, config: SftConfig | GrpoConfig) -> list[QaItem]:
+    """The validation questions of the profile; none is an error, since the champion gate needs them."""
+    valid = load_qa_items(store, "validation", config.valid_items, config.seed)
+    if not valid:
+        raise dg.Failure("no validation questions: the champion gate needs them (qa/qa_items split 'validation')")
+    return valid
+
+
 def _base_model(llm: LlmResource) -> TransformersChatModel:
     chat = llm.load()
     if not isinstance(chat, TransformersChatModel):
@@ -89,16 +98,7 @@ def _base_model(llm: LlmResource) -> TransformersChatModel:
     return chat
 
 
-@dg.asset(
-    key=["models", "graph_r1_sft"],
-    deps=ENV_INPUTS,
-    group_name="models",
-    kinds={"pytorch", "mlflow"},
-    pool="gpu",
-    code_version="1",
-    tags={"medgraph/accelerator": "gpu"},
-    automation_condition=None,  # retrained by the weekly_retraining schedule: see platform_assets/automation.py
-)
+@gpu_model_asset("graph_r1_sft", ENV_INPUTS, code_version="1")
 def graph_r1_sft(context: dg.AssetExecutionContext, config: GraphR1SftConfig, warehouse: WarehouseResource,
                  encoder: EncoderResource, llm: LlmResource, mlflow_tracking: MlflowResource) -> dg.MaterializeResult:
     """Cold start: the base LLM fine-tuned on expert episodes that walk each training question's gold
@@ -106,44 +106,37 @@ def graph_r1_sft(context: dg.AssetExecutionContext, config: GraphR1SftConfig, wa
     accuracy of the base model and of the SFT policy; registered as `medgraph-graph-r1-sft`, gated
     against the champion or, with none, the base model."""
     sft_config = config.sft_config()
-    store, base, tracking = warehouse.open(), _base_model(llm), mlflow_tracking.tracking()
-    evaluate_base = config.evaluate_base or tracking.champion_version(SFT_MODEL_NAME) is None
+    store, base, tracking = warehouse.get_warehouse(), _base_model(llm), mlflow_tracking.tracking()
+    evaluate_base = config.evaluate_base or tracking.champion_version(GRAPH_R1_SFT_MODEL.name) is None
     out = Path(warehouse.home) / "checkpoints" / "graph_r1_sft" / context.run.run_id
-    with Retriever(store, encoder.load()) as retriever, mlflow_tracking.start_asset_run(context, ENV_INPUTS) as run:
-        env = GraphR1Env(retriever, sft_config.graph_r1)
-        valid = load_qa_items(store, "validation", sft_config.valid_items, sft_config.seed)
-        if not valid:
-            raise dg.Failure("no validation questions: the champion gate needs them (qa/qa_items split 'validation')")
+    with Retriever(store, encoder.load()) as retriever, mlflow_tracking.start_asset_run(context, ENV_INPUTS):
+        env, valid = GraphR1Env(retriever, sft_config.graph_r1), _validation_items(store, sft_config)
         demos = expert_demonstrations(env, load_qa_items(store, "train", sft_config.train_items, sft_config.seed))
         context.log.info(f"SFT: {demos.as_metadata()}; {len(valid)} validation questions")
         mlflow.log_params({**{k: str(v) for k, v in sft_config.as_dict().items()}, "base_model": base.name})
         mlflow.set_tag(VALIDATION_KEY_TAG, validation_key(valid, sft_config.graph_r1))  # evaluate()'s defaults
         mlflow.log_metrics(demos.as_metadata())
-        with autocast(base.device, sft_config.bf16, generation=True):
-            before = evaluate(base, env, valid) if evaluate_base else {}
+        before = validate(base, env, valid, sft_config.bf16) if evaluate_base else {}
         result = train_sft(base.model_dir, demos.states, sft_config, name=f"graph-r1-sft-{base.name}",
                            log_fn=lambda step, metrics: mlflow.log_metrics(metrics, step=step))
         # Validated as registered: merged (save_policy merges the LoRA adapter), the network GRPO starts from
         # and evaluation loads, so GRPO's step 0 can take this measurement (merged + a zero adapter is the same).
         save_policy(result.policy, out)
-        with autocast(result.policy.device, sft_config.bf16, generation=True):
-            after = evaluate(result.policy, env, valid)
+        after = validate(result.policy, env, valid, sft_config.bf16)
         metrics = {**_prefixed(before, "valid_base_"), **_prefixed(after, "valid_"), **result.metrics}
         mlflow.log_metrics(metrics)
         model_uri = log_policy(out, result.policy.name, metadata={"base_model": base.name,
                                                                   "graph_r1_config": sft_config.as_dict()})
-        version, promotion = tracking.register_and_gate(model_uri, SFT_MODEL_NAME, SFT_GATE,
-                                                        base_model_baseline(before, base.name),
-                                                        tags={"dagster/run_id": context.run.run_id})
-        run_id = run.info.run_id
+        registration = tracking.register_and_gate(model_uri, GRAPH_R1_SFT_MODEL,
+                                                  base_model_baseline(before, base.name),
+                                                  tags={"dagster/run_id": context.run.run_id})
     shutil.rmtree(out, ignore_errors=True)  # the checkpoint is in MLflow now
-    context.log.info(f"SFT validation reward {after.get('reward', float('nan')):.3f} "
-                     f"(base {before.get('reward', float('nan')):.3f}) on {len(valid)} questions; {promotion.reason}")
-    return dg.MaterializeResult(
-        metadata={"mlflow_run_id": run_id, "model_uri": model_uri, "base_model": base.name,
-                  "registered_model": SFT_MODEL_NAME, "model_version": version,
-                  "validation_questions": len(valid), "seed": sft_config.seed, **demos.as_metadata(), **metrics,
-                  **promotion.as_metadata()},
+    context.log.info(f"SFT validation reward {after.get('reward', float('nan')):.3f} (base "
+                     f"{before.get('reward', float('nan')):.3f}) on {len(valid)} questions; "
+                     f"{registration.promotion.reason}")
+    return dg.MaterializeResult(  # model_uri: the logged model, graph_r1_policy's start while no SFT champion
+        metadata={**registration.as_metadata(), "model_uri": model_uri, "base_model": base.name,
+                  "validation_questions": len(valid), "seed": sft_config.seed, **demos.as_metadata(), **metrics},
         data_version=dg.DataVersion(model_uri),
     )
 
@@ -167,9 +160,9 @@ class GraphR1PolicyConfig(_TrainingConfig):
 
 def _sft_start_uri(context: dg.AssetExecutionContext, tracking: Tracking) -> str:
     """Where GRPO starts: the SFT champion (the policy that passed its gate), else the latest SFT run's model."""
-    champion = tracking.champion_version(SFT_MODEL_NAME)
+    champion = tracking.champion_version(GRAPH_R1_SFT_MODEL.name)
     if champion is not None:
-        return f"models:/{SFT_MODEL_NAME}/{champion}"
+        return f"models:/{GRAPH_R1_SFT_MODEL.name}/{champion}"
     event = context.instance.get_latest_materialization_event(SFT_KEY)
     uri = event.asset_materialization.metadata.get("model_uri") if event and event.asset_materialization else None
     if uri is None:
@@ -177,34 +170,20 @@ def _sft_start_uri(context: dg.AssetExecutionContext, tracking: Tracking) -> str
     return str(uri.value)
 
 
-@dg.asset(
-    key=["models", "graph_r1_policy"],
-    deps=POLICY_INPUTS,
-    group_name="models",
-    kinds={"pytorch", "mlflow"},
-    pool="gpu",
-    code_version="1",
-    tags={"medgraph/accelerator": "gpu"},
-    automation_condition=None,  # retrained by the weekly_retraining schedule: see platform_assets/automation.py
-)
+@gpu_model_asset("graph_r1_policy", POLICY_INPUTS, code_version="1")
 def graph_r1_policy(context: dg.AssetExecutionContext, config: GraphR1PolicyConfig, warehouse: WarehouseResource,
                     encoder: EncoderResource, mlflow_tracking: MlflowResource) -> dg.MaterializeResult:
     """GRPO from the cold-start policy on the train split (G episodes per question, observation tokens
     masked, KL to the SFT policy), validated every N steps; registered as `medgraph-graph-r1-policy`,
-    `champion` moving only when it beats the champion or, with none, its SFT start (POLICY_GATE)."""
+    `champion` moving only when it beats the champion or, with none, its SFT start (GRAPH_R1_POLICY_MODEL.gate)."""
     grpo_config = config.grpo_config()
-    store, tracking = warehouse.open(), mlflow_tracking.tracking()
+    store, tracking = warehouse.get_warehouse(), mlflow_tracking.tracking()
     sft_uri = _sft_start_uri(context, tracking)
     with Retriever(store, encoder.load()) as retriever, mlflow_tracking.start_asset_run(context, POLICY_INPUTS) as run:
-        data_versions = {k.removeprefix("data_version/"): v for k, v in run.data.tags.items()
-                         if k.startswith("data_version/")}
-        work = resume_dir(Path(warehouse.home) / "checkpoints" / "graph_r1_policy", grpo_config, sft_uri,
-                          data_versions)
+        work = checkpoint_dir(Path(warehouse.home) / "checkpoints" / "graph_r1_policy", run, grpo_config.as_dict(),
+                              sft=sft_uri)
         start = download_checkpoint(sft_uri, work / "start")
-        env = GraphR1Env(retriever, grpo_config.graph_r1)
-        valid = load_qa_items(store, "validation", grpo_config.valid_items, grpo_config.seed)
-        if not valid:
-            raise dg.Failure("no validation questions: the champion gate needs them (qa/qa_items split 'validation')")
+        env, valid = GraphR1Env(retriever, grpo_config.graph_r1), _validation_items(store, grpo_config)
         mlflow.log_params({**{k: str(v) for k, v in grpo_config.as_dict().items()}, "sft_model_uri": sft_uri})
         mlflow.set_tag("checkpoint_dir", str(work))
         key = validation_key(valid[: grpo_config.valid_items], grpo_config.graph_r1, grpo_config.eval_batch_size,
@@ -216,25 +195,15 @@ def graph_r1_policy(context: dg.AssetExecutionContext, config: GraphR1PolicyConf
                             checkpoint_dir=work / "checkpoints", resume=config.resume, name="graph-r1-policy",
                             log_fn=lambda step, metrics: mlflow.log_metrics(metrics, step=step),
                             start_validation=start_validation)
-        mlflow.log_metrics({k: v for k, v in result.metrics.items() if not k.startswith("valid_")},
-                           step=grpo_config.steps)
-        mlflow.log_dict({"history": result.history}, "training.json")
-        mlflow.log_figure(training_curves_figure(result.history), "training_curves.png")
-        model_uri = log_policy(save_policy(result.policy, work / "final"), result.policy.name, metadata={
-            "sft_model_uri": sft_uri, "graph_r1_config": grpo_config.as_dict()})
-        version, promotion = tracking.register_and_gate(model_uri, POLICY_MODEL_NAME, POLICY_GATE,
-                                                        sft_start_baseline(result.metrics, sft_uri),
-                                                        tags={"dagster/run_id": context.run.run_id})
-        run_id = run.info.run_id
+        registration = tracking.register_and_gate(log_grpo_result(result, grpo_config, work / "final", sft_uri),
+                                                  GRAPH_R1_POLICY_MODEL, sft_start_baseline(result.metrics, sft_uri),
+                                                  tags={"dagster/run_id": context.run.run_id})
     shutil.rmtree(work, ignore_errors=True)  # the model is in MLflow; checkpoints only serve a retry
-    context.log.info(promotion.reason)
-    champion = tracking.champion_version(POLICY_MODEL_NAME)
+    context.log.info(registration.promotion.reason)
     return dg.MaterializeResult(
-        metadata={"mlflow_run_id": run_id, "model_uri": f"models:/{POLICY_MODEL_NAME}/{version}",
-                  "model_version": version, "champion_uri": tracking.model_uri(POLICY_MODEL_NAME),
-                  "sft_model_uri": sft_uri, "validation_questions": len(valid), "seed": grpo_config.seed,
-                  **promotion.as_metadata(), **result.metrics},
-        data_version=dg.DataVersion(f"{POLICY_MODEL_NAME}@champion=v{champion}"),
+        metadata={**registration.as_metadata(), "sft_model_uri": sft_uri, "validation_questions": len(valid),
+                  "seed": grpo_config.seed, **result.metrics},
+        data_version=dg.DataVersion(registration.data_version),
     )
 
 

@@ -30,7 +30,7 @@ def qa_items(context: dg.AssetExecutionContext, config: QaConfig, warehouse: War
     """Multiple-choice, yes/no and 1-/2-hop short-answer questions read off `kg.kg_edges`, each with
     its gold path; split train/validation/test by fact (no unordered gold concept pair in two splits).
     Table `qa.qa_items` plus MIRAGE files `$MEDGRAPH_HOME/qa/qa_items.<split>.json`."""
-    store = warehouse.open()
+    store = warehouse.get_warehouse()
     stats = generate_qa_items(store, Path(warehouse.home) / "qa", seed=config.seed, per_type=config.per_type)
     metadata = stats.as_metadata()
     metadata["dagster/table_name"] = "qa.qa_items"
@@ -41,7 +41,7 @@ def qa_items(context: dg.AssetExecutionContext, config: QaConfig, warehouse: War
 @dg.asset_check(asset=qa_items, blocking=True,
                 description="No unordered gold concept pair occurs in two splits (train/validation/test).")
 def no_gold_pair_in_two_splits(warehouse: WarehouseResource) -> dg.AssetCheckResult:
-    leaked = gold_pairs_in_two_splits(warehouse.open())
+    leaked = gold_pairs_in_two_splits(warehouse.get_warehouse())
     return dg.AssetCheckResult(passed=not leaked, metadata={"leaked_pairs": len(leaked),
                                                             "examples": str(leaked[:5])})
 

@@ -32,7 +32,7 @@ def corpus_chunks(context: dg.AssetExecutionContext, config: CorpusConfig,
                   warehouse: WarehouseResource) -> dg.MaterializeResult:
     """Token chunks (default 1200 with 100 overlap) of the PubMedQA abstracts, concept definitions and user
     documents, as `text.corpus_chunks`, with its BM25 index (DuckDB fts) rebuilt in the same transaction."""
-    stats = build_corpus_chunks(warehouse.open(), config.corpus_files, sources=config.sources,
+    stats = build_corpus_chunks(warehouse.get_warehouse(), config.corpus_files, sources=config.sources,
                                 chunk_tokens=config.chunk_tokens, overlap_tokens=config.overlap_tokens)
     metadata = stats.as_metadata()
     metadata["dagster/row_count"] = stats.chunks
@@ -61,7 +61,7 @@ class MentionsConfig(dg.Config):
 )
 def chunk_concept_graph(context: dg.AssetExecutionContext, config: MentionsConfig, warehouse: WarehouseResource):
     """Graph-R1's chunk-entity graph over our KG: chunk -> concept mentions and chunk <-> chunk links."""
-    store = warehouse.open()
+    store = warehouse.get_warehouse()
     stats = link_chunk_mentions(store, max_chunks_per_concept=config.max_chunks_per_concept)
     metadata = stats.as_metadata()
     metadata["chunks_with_mentions_share"] = round(stats.chunks_with_mentions / max(stats.chunks, 1), 4)

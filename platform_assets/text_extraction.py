@@ -3,7 +3,7 @@
 Not part of `make demo` (its selection leaves out the group `text_extraction`): with the demo's tiny
 LLM the asset skips itself and says so. Run it with a capable model, e.g.
 MEDGRAPH_LLM=openai:<model>@http://host:8000/v1 and
-`dagster asset materialize -m definitions --select 'group:text_extraction'`.
+`dg launch -m definitions --assets 'group:text_extraction'`.
 """
 
 import dagster as dg
@@ -40,7 +40,7 @@ def chunk_hyperedges(context: dg.AssetExecutionContext, config: ChunkHyperedgesC
         context.log.warning(message)
         return dg.MaterializeResult(metadata={"skipped": True, "skipped_reason": message})
     stats = extract_chunk_hyperedges(
-        warehouse.open(), llm.load(), batch_chunks=config.batch_chunks, max_chunks=config.max_chunks,
+        warehouse.get_warehouse(), llm.load(), batch_chunks=config.batch_chunks, max_chunks=config.max_chunks,
         max_new_tokens=config.max_new_tokens, prompt_usd_per_1k=config.prompt_usd_per_1k_tokens,
         completion_usd_per_1k=config.completion_usd_per_1k_tokens)
     context.log.info(f"chunk hyperedges: {stats.as_metadata()}")

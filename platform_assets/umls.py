@@ -86,7 +86,7 @@ def umls_release_tables(
     publish them in one transaction: a failure anywhere leaves the whole previous release in place."""
     layouts = [layout for key, layout in _LAYOUT_BY_KEY.items() if key in context.selected_asset_keys]
     selected_checks = context.selected_asset_check_keys
-    store = warehouse.open()
+    store = warehouse.get_warehouse()
     if layouts:
         release_dir, filters = release.path(), release.filters()
         staged = stage_release(release_dir, layouts, store, filters, quarantine=config.quarantine_bad_rows,
@@ -134,7 +134,7 @@ def _result(outcome: checks.CheckOutcome, severity: dg.AssetCheckSeverity, asset
                 description="Every MRREL CUI has an atom in MRCONSO; language/source filters make some orphans, "
                 "so this warns and reports the count.")
 def cuis_present_in_mrconso(warehouse: WarehouseResource) -> dg.AssetCheckResult:
-    return _result(checks.check_relation_orphans(warehouse.open()), dg.AssetCheckSeverity.WARN)
+    return _result(checks.check_relation_orphans(warehouse.get_warehouse()), dg.AssetCheckSeverity.WARN)
 
 
 # Lists, as the rest of the code base composes them (`[*umls.umls_tables, *umls.umls_checks]`): the one

@@ -8,12 +8,12 @@ tag every MLflow run so a model can be traced back to the release it saw.
 
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from pathlib import Path
 
 import dagster as dg
 import mlflow
 
-from medgraph.tracking import Tracking
+from medgraph.settings import Settings
+from medgraph.tracking import DATA_VERSION_TAG, Tracking
 
 
 def input_data_versions(context: dg.AssetExecutionContext, keys: Sequence[dg.AssetKey]) -> dict[str, str]:
@@ -34,6 +34,12 @@ class MlflowResource(dg.ConfigurableResource):
     tracking_uri: str
     artifact_root: str
 
+    @classmethod
+    def from_settings(cls, settings: Settings) -> "MlflowResource":
+        """The settings' tracking server and artifact root (`Tracking.from_settings`)."""
+        tracking = Tracking.from_settings(settings)
+        return cls(tracking_uri=tracking.tracking_uri, artifact_root=tracking.artifact_root)
+
     def tracking(self) -> Tracking:
         return Tracking(self.tracking_uri, self.artifact_root)
 
@@ -47,15 +53,8 @@ class MlflowResource(dg.ConfigurableResource):
             "dagster/asset_key": key.to_user_string(),
             "dagster/code_version": context.assets_def.code_versions_by_key.get(key) or "none",
         }
-        tags.update({f"data_version/{name}": version
+        tags.update({f"{DATA_VERSION_TAG}{name}": version
                      for name, version in input_data_versions(context, inputs).items()})
         with self.tracking().start_run(key.path[-1], run_name=run_name or context.run.run_id[:8],
                                        tags=tags) as run:
             yield run
-
-
-def default_mlflow_resource(home: Path, tracking_uri: str, artifact_root: str = "") -> MlflowResource:
-    """Artifacts under MEDGRAPH_HOME unless `artifact_root` (MEDGRAPH_MLFLOW_ARTIFACTS, e.g. s3://bucket/mlflow:
-    MLflow then writes through boto3, with MLFLOW_S3_ENDPOINT_URL for an S3-compatible server). A tracking
-    server started with --serve-artifacts needs neither: it stores artifacts itself."""
-    return MlflowResource(tracking_uri=tracking_uri, artifact_root=artifact_root or str(home / "artifacts"))

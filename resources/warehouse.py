@@ -2,16 +2,16 @@
 
 
 from pathlib import Path
+from typing import Any
 
 import dagster as dg
 
-from medgraph.s3 import download_release, is_s3_uri, list_objects, listing_fingerprint
+from medgraph.s3 import download_release, is_s3_uri, list_objects, listing_fingerprint, s3_client_and_options
 from medgraph.settings import Settings, load_settings
-from medgraph.storage import Warehouse, open_lake
+from medgraph.storage import Warehouse, warehouse_at
 from medgraph.umls.filters import IngestFilters
 from medgraph.umls.release import release_fingerprint, resolve_release_dir
 from medgraph.umls.schema import INGESTED
-from resources.aws import LakeS3Resource, lake_s3_resource
 
 
 class S3Access(dg.Config):
@@ -23,8 +23,9 @@ class S3Access(dg.Config):
     credentials_secret_id: str | None = None
     """MEDGRAPH_AWS_SECRET_ID: a Secrets Manager secret with the keys; None: the AWS chain (env, profile, role)."""
 
-    def resource(self) -> LakeS3Resource:
-        return lake_s3_resource(self.endpoint_url, self.credentials_secret_id)
+    def client(self) -> Any:
+        """A boto3 S3 client; region and keys from the AWS environment (or the secret)."""
+        return s3_client_and_options(self.endpoint_url, self.credentials_secret_id)[0]
 
 
 class WarehouseResource(dg.ConfigurableResource):
@@ -37,12 +38,10 @@ class WarehouseResource(dg.ConfigurableResource):
     memory_limit: str = "2GB"
     threads: int | None = None
 
-    def open(self) -> Warehouse:
-        home = Path(self.home)
-        location = self.lake or str(home / "lake")
-        client, options = self.s3.resource().client_and_options() if is_s3_uri(location) else (None, None)
-        lake = open_lake(location, home / "lake_local", client, options)
-        return Warehouse(home / "warehouse.duckdb", lake, self.memory_limit, self.threads)
+    def get_warehouse(self) -> Warehouse:
+        return warehouse_at(Path(self.home), self.lake, s3_endpoint_url=self.s3.endpoint_url,
+                            s3_secret_id=self.s3.credentials_secret_id, memory_limit=self.memory_limit,
+                            threads=self.threads)
 
 
 class UmlsReleaseResource(dg.ConfigurableResource):
@@ -62,23 +61,20 @@ class UmlsReleaseResource(dg.ConfigurableResource):
         (only files whose ETag or size changed are downloaded)."""
         if is_s3_uri(self.umls_dir):
             names = tuple(layout.filename for layout in INGESTED)
-            return download_release(self._s3_client(), self.umls_dir, Path(self.home) / "umls_cache", names)
+            return download_release(self.s3.client(), self.umls_dir, Path(self.home) / "umls_cache", names)
         return resolve_release_dir(self.umls_dir, Path(self.home) / "sample_release" / self.profile, self.profile)
 
     def fingerprint(self) -> tuple[str, str]:
         """(content fingerprint, location). On S3 from names, sizes and ETags: a sensor tick downloads nothing."""
         if is_s3_uri(self.umls_dir):
             names = tuple(layout.filename for layout in INGESTED)
-            objects = [o for o in list_objects(self._s3_client(), self.umls_dir)
+            objects = [o for o in list_objects(self.s3.client(), self.umls_dir)
                        if o.key.rsplit("/", 1)[-1].startswith(names)]
             if not objects:
                 raise FileNotFoundError(f"no UMLS release files under {self.umls_dir}")
             return listing_fingerprint(objects), self.umls_dir
         path = self.path()
         return release_fingerprint(path), str(path)
-
-    def _s3_client(self):
-        return self.s3.resource().get_client()
 
     def filters(self) -> IngestFilters:
         return IngestFilters(
@@ -90,7 +86,7 @@ class UmlsReleaseResource(dg.ConfigurableResource):
 
 
 def build_resources(settings: Settings | None = None) -> dict[str, dg.ConfigurableResource]:
-    """The resources of the code location, configured from the environment (DESIGN.md "Settings")."""
+    """The resources of the code location, configured from the environment (docs/ARCHITECTURE.md "Settings")."""
     settings = settings or load_settings()
     home = str(settings.home)
     s3 = S3Access(endpoint_url=settings.s3_endpoint_url, credentials_secret_id=settings.aws_secret_id)
@@ -99,14 +95,13 @@ def build_resources(settings: Settings | None = None) -> dict[str, dg.Configurab
     from platform_assets.dbt_project import DBT_EXECUTABLE, dbt_project
     from resources.encoder import EncoderResource
     from resources.llm import LlmResource
-    from resources.mlflow import default_mlflow_resource
+    from resources.mlflow import MlflowResource
 
     return {
         "warehouse": WarehouseResource(home=home, lake=settings.lake or None, s3=s3),
         "dbt": DbtCliResource(project_dir=dbt_project, dbt_executable=DBT_EXECUTABLE),
         "release": UmlsReleaseResource(home=home, umls_dir=settings.umls_dir, profile=settings.profile, s3=s3),
         "encoder": EncoderResource(spec=settings.encoder),
-        "mlflow_tracking": default_mlflow_resource(settings.home, settings.mlflow_tracking_uri,
-                                                   settings.mlflow_artifacts),
+        "mlflow_tracking": MlflowResource.from_settings(settings),
         "llm": LlmResource(spec=settings.llm, home=home),
     }

@@ -10,12 +10,12 @@ import json
 import dagster as dg
 
 from jobs import evaluate_job
-from medgraph.tracking import MODEL_NAMES
+from medgraph.tracking import MODELS
 from platform_assets.evaluation import DATASETS
 from resources import MlflowResource
 
 # Every registered model evaluation loads by alias (the SFT policy plays Graph-R1 while no GRPO policy is champion).
-WATCHED_MODELS = tuple(MODEL_NAMES.values())
+WATCHED_MODELS = tuple(model.name for model in MODELS.values())
 
 
 @dg.sensor(job=evaluate_job, minimum_interval_seconds=120, default_status=dg.DefaultSensorStatus.STOPPED,

@@ -11,7 +11,7 @@ import re
 
 import pytest
 
-from medgraph.kg.qa import QaItem
+from medgraph.eval.questions import QaItem
 from medgraph.llm.base import Conversation
 from medgraph.llm.scripted import ScriptedChatModel
 from medgraph.methods import KnowledgeTools, make_config, run_method

@@ -15,7 +15,7 @@ from medgraph.eval.benchmarks import (
     parse_benchmark_spec,
 )
 from medgraph.eval.evaluate import markdown_table, result_rows, summarize
-from medgraph.kg.qa import QaItem, load_mirage, write_mirage
+from medgraph.eval.questions import QaItem, load_mirage, write_mirage
 from medgraph.llm.scripted import ScriptedChatModel
 from medgraph.methods import KnowledgeTools, run_method
 from medgraph.methods.common import format_question, gold_doc_ids

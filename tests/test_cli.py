@@ -51,11 +51,10 @@ def test_models_list_and_show_read_the_registry(medgraph_home: Path, mlflow_db: 
 
 def test_ask_picks_the_graph_r1_policy_as_evaluation_does(mlflow_db: Path, tmp_path: Path,
                                                          capsys: pytest.CaptureFixture):
-    from types import SimpleNamespace
-
     from medgraph.cli import _champion_policy
+    from medgraph.settings import load_settings
 
-    settings = SimpleNamespace(mlflow_tracking_uri=f"sqlite:///{mlflow_db}", home=tmp_path)
+    settings = load_settings({"MEDGRAPH_HOME": str(tmp_path), "MLFLOW_TRACKING_URI": f"sqlite:///{mlflow_db}"})
     assert _champion_policy(settings, "graph-r1") == (None, {})  # nothing registered: the base LLM plays the policy
     assert "policy: base LLM" in capsys.readouterr().err
     with pytest.raises(SystemExit) as exited:  # an SFT-only run without an SFT policy never runs the base LLM

@@ -79,7 +79,7 @@ def instance(dagster_env: dict[str, str]) -> Iterator[object]:
 
 
 def _materialize(env: dict[str, str], selection: str) -> subprocess.Popen:
-    return subprocess.Popen([str(BIN / "dagster"), "asset", "materialize", "-m", "definitions", "--select", selection],
+    return subprocess.Popen([str(BIN / "dg"), "launch", "-m", "definitions", "--assets", selection],
                             cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
 
@@ -102,8 +102,10 @@ def test_a_run_killed_with_sigkill_does_not_wedge_the_next_run(dagster_env: dict
     try:
         def started_holding_slot():
             runs = instance.get_runs()
-            return runs and runs[0].status == DagsterRunStatus.STARTED and \
-                runs[0].run_id in instance.event_log_storage.get_concurrency_run_ids() and runs[0]
+            # A claimed slot, not only a pending claim: `get_concurrency_run_ids` also lists runs whose step
+            # still waits for its slot (CI once killed the run in that window and saw 0 slots freed).
+            claimed = {slot.run_id for slot in instance.event_log_storage.get_concurrency_info("warehouse").claimed_slots}
+            return runs and runs[0].status == DagsterRunStatus.STARTED and runs[0].run_id in claimed and runs[0]
 
         run = _wait_for("STARTED run holding a pool slot", started_holding_slot, 180, first)
         os.killpg(first.pid, signal.SIGKILL)

@@ -53,7 +53,7 @@ def test_kg_node_names_and_its_upstream_on_a_fresh_home(tiny_release: Path, tmp_
                             raise_on_error=False)
 
     assert result.success
-    warehouse = resources["warehouse"].open()
+    warehouse = resources["warehouse"].get_warehouse()
     assert relations_in(warehouse, "kg") == {"kg_nodes", "kg_node_names"}
     assert warehouse.count("kg.kg_node_names") > warehouse.count("kg.kg_nodes") > 0
     checks = check_results(result)
@@ -71,7 +71,7 @@ def test_assets_behind_node_embeddings_and_qa_items_on_a_fresh_home(tiny_release
     result = dg.materialize(KG_ASSETS, resources=resources, selection=behind, raise_on_error=False)
 
     assert result.success
-    warehouse = resources["warehouse"].open()
+    warehouse = resources["warehouse"].get_warehouse()
     assert relations_in(warehouse, "kg") == {"kg_nodes", "kg_edges", "kg_node_text", "umls_rel_labels"}
     checks = check_results(result)
     assert checks["kg/kg_edges:relationships_kg_edges_src_cui__cui__ref_kg_nodes_"] is True

@@ -10,7 +10,8 @@ import pytest
 from conftest import copy_warehouse
 
 from medgraph.eval.evaluate import binomial_se, summarize
-from medgraph.kg.qa import QaItem, generate_qa_items
+from medgraph.eval.questions import QaItem
+from medgraph.kg.qa import generate_qa_items
 from medgraph.methods.common import finish_result
 from medgraph.storage import Warehouse
 from platform_assets.evaluation import eval_assets, evaluation_report, qa_benchmark
@@ -57,7 +58,7 @@ def test_a_dataset_partition_is_evaluated_into_tables_metadata_and_mlflow(eval_h
     assert metadata["questions"].value == 3 and "| cot | kgqa_mc | 3 |" in metadata["summary"].value
     assert 0 <= metadata["rag/accuracy"].value <= 1 and metadata["llm"].value == "smollm2-135m-instruct"
 
-    store = WarehouseResource(home=str(eval_home)).open()
+    store = WarehouseResource(home=str(eval_home)).get_warehouse()
     with store.connect(read_only=True) as con:
         per_method = dict(con.execute("SELECT method, count(*) FROM eval.eval_baselines_results GROUP BY 1").fetchall())
         trace_steps = con.execute("SELECT count(*) FROM eval.eval_baselines_traces").fetchone()[0]

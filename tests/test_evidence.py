@@ -18,8 +18,8 @@ import torch
 from conftest import copy_warehouse
 
 from medgraph.eval.evaluate import markdown_table, result_rows, summarize, write_partition
+from medgraph.eval.questions import QaItem
 from medgraph.kg.graph import Triple
-from medgraph.kg.qa import QaItem
 from medgraph.llm.base import Conversation
 from medgraph.llm.scripted import ScriptedChatModel
 from medgraph.methods import KnowledgeTools, make_config, run_method

@@ -12,7 +12,7 @@ from collections.abc import Iterator
 import pytest
 from conftest import copy_warehouse
 
-from medgraph.kg.qa import QaItem
+from medgraph.eval.questions import QaItem
 from medgraph.llm.base import Conversation
 from medgraph.llm.scripted import ScriptedChatModel
 from medgraph.methods import KnowledgeTools, make_config, run_method

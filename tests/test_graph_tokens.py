@@ -14,7 +14,6 @@ from conftest import copy_warehouse
 
 import platform_assets.models as model_assets
 from medgraph.gnn.graph_tokens import (
-    PROJECTOR_MODEL_NAME,
     GraphTokenizer,
     HiimProjector,
     NodeFeatures,
@@ -33,7 +32,8 @@ from medgraph.methods.a2rag import A2Rag, A2RagConfig, answer_conversation
 from medgraph.methods.tools import KnowledgeTools
 from medgraph.retrieval import Retriever
 from medgraph.storage import Warehouse
-from platform_assets.models import GAT_MODEL_NAME, gat_model, hiim_projector
+from medgraph.tracking import GAT_MODEL, HIIM_PROJECTOR_MODEL
+from platform_assets.models import gat_model, hiim_projector
 from resources import EncoderResource, LlmResource, MlflowResource, WarehouseResource
 
 CONFIG = ProjectorConfig.profile("tiny", steps=2, batch_size=2, valid_items=4, eval_every=2)
@@ -148,25 +148,24 @@ def test_projector_must_beat_a2rags_text_only_answer_then_the_champion(qa_wareho
     assert worse["promoted"].value is False and worse["previous_champion_version"].value == "none"
     assert worse["baseline_name"].value.startswith("A2RAG text-only answer")
     assert worse["baseline_value"].value == pytest.approx(worse["valid_answer_nll_text_only"].value)
-    assert tracking.champion_version(PROJECTOR_MODEL_NAME) is None
+    assert tracking.champion_version(HIIM_PROJECTOR_MODEL.name) is None
     better = projector_run(gain=0.5)
-    assert better["promoted"].value is True and tracking.champion_version(PROJECTOR_MODEL_NAME) == "2"
+    assert better["promoted"].value is True and tracking.champion_version(HIIM_PROJECTOR_MODEL.name) == "2"
     assert better["gate_reference"].value.startswith("baseline A2RAG text-only")
 
     trained = projector_run(gain=None)  # real training: judged against the champion now
     assert model_assets.train_projector is real_training
     metadata = trained["valid_answer_nll"].value, trained["valid_answer_nll_text_only"].value
     assert all(value > 0 for value in metadata) and trained["graph_triples"].value == "gsrm"
-    assert trained["gat_model_uri"].value == f"models:/{GAT_MODEL_NAME}/1" and trained["llm"].value == smollm2.name
+    assert trained["gat_model_uri"].value == f"models:/{GAT_MODEL.name}/1" and trained["llm"].value == smollm2.name
     assert trained["gate_reference"].value == "champion v2"
     assert trained["promoted"].value is (trained["candidate_value"].value < trained["previous_champion_value"].value)
 
-    tracking_uri = f"sqlite:///{mlflow_db}"
-    loaded = load_champion_graph_tokenizer(smollm2, qa_warehouse, tracking_uri)
+    loaded = load_champion_graph_tokenizer(smollm2, qa_warehouse, tracking)
     assert loaded is not None and loaded.projector.gat_model_uri.endswith("/1")
     triples = load_examples(qa_warehouse, "validation", replace(CONFIG, graph_triples="gold_path"))[0].triples
     graph = loaded.encode(triples)
     reply = smollm2.generate([[user("Which drug may treat hypertension?")]], GenerationConfig(max_new_tokens=4),
                              graph_tokens=[graph])[0]
     assert reply.completion_tokens > 0 and reply.prompt_tokens > len(triples)
-    assert load_champion_graph_tokenizer(ScriptedChatModel(["x"]), qa_warehouse, tracking_uri) is None
+    assert load_champion_graph_tokenizer(ScriptedChatModel(["x"]), qa_warehouse, tracking) is None

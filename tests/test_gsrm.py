@@ -22,7 +22,8 @@ from medgraph.eval.gsrm import (
     read_gsrm_params,
     with_tuned_gsrm,
 )
-from medgraph.kg.qa import QaItem, generate_qa_items, load_mirage
+from medgraph.eval.questions import QaItem, load_mirage
+from medgraph.kg.qa import generate_qa_items
 from medgraph.methods.a2rag import gsrm_refine
 from medgraph.methods.tools import KnowledgeTools
 from medgraph.retrieval import Retriever
@@ -189,7 +190,7 @@ def test_gsrm_assets_tune_on_validation_and_measure_every_test_item(gsrm_home: P
     assert {"gsrm_params.json", "recall_at10_by_iteration.png"} <= artifacts
 
     test_items = measurable_items(load_mirage(gsrm_home / "qa" / "qa_items.test.json"), 5)
-    rows = gsrm_recall_rows(WarehouseResource(home=str(gsrm_home)).open())
+    rows = gsrm_recall_rows(WarehouseResource(home=str(gsrm_home)).get_warehouse())
     assert {r["iteration"] for r in rows} == {0, 1, 2, 3}  # k = 0..max(K, 3): the seed claims need K=2 and K=3
     assert {r["cutoff"] for r in rows} == {10, params["top_n"]}
     per_hops = [r for r in rows if r["dataset"] == "all" and r["iteration"] == 0 and r["cutoff"] == 10]
@@ -197,7 +198,7 @@ def test_gsrm_assets_tune_on_validation_and_measure_every_test_item(gsrm_home: P
     (overall,) = [r for r in per_hops if r["hops"] is None]
     assert overall["n"] == len(test_items)
     assert all(r["tau"] == params["tau"] and 0 <= r["recall"] <= 1 for r in rows)
-    store = WarehouseResource(home=str(gsrm_home)).open()
+    store = WarehouseResource(home=str(gsrm_home)).get_warehouse()
     with store.connect(read_only=True) as con:
         per_item = con.execute("SELECT count(DISTINCT qid), count(*) FROM eval.gsrm_recall_items").fetchone()
     assert per_item == (len(test_items), len(test_items) * 4 * len({10, params["top_n"]}))  # k = 0..3
@@ -234,7 +235,7 @@ def test_eval_a2rag_runs_gsrm_with_the_tuned_values_and_records_them(gsrm_home: 
     metadata = materialization.metadata
     assert (metadata["gsrm_tau"].value, metadata["gsrm_iterations"].value, metadata["gsrm_top_n"].value) == (0.65, 1, 7)
     assert metadata["gsrm_params_source"].value == "models/gsrm_params (validation, n=12)"
-    with WarehouseResource(home=str(gsrm_home)).open().connect(read_only=True) as con:
+    with WarehouseResource(home=str(gsrm_home)).get_warehouse().connect(read_only=True) as con:
         arguments = [json.loads(a) for (a,) in con.execute(
             "SELECT arguments FROM eval.eval_a2rag_traces WHERE action = 'T_KG'").fetchall()]
     assert len(arguments) == 2 and all((a["tau"], a["iterations"], a["top_n"]) == (0.65, 1, 7) for a in arguments)

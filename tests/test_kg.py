@@ -120,5 +120,5 @@ def test_dbt_assets_build_marts_and_report_dbt_tests_as_checks(tiny_release: Pat
     assert len(dbt_checks) >= 20 and all(c.passed for c in dbt_checks)
     assert {"unique_kg_nodes_cui", "relationships_kg_edges_src_cui__cui__ref_kg_nodes_"} <= {
         c.check_name for c in dbt_checks}
-    warehouse = resources["warehouse"].open()
+    warehouse = resources["warehouse"].get_warehouse()
     assert warehouse.count("kg.kg_nodes") > 2000 and warehouse.count("kg.kg_edges") > 10000

@@ -16,6 +16,7 @@ from typing import ClassVar
 import pytest
 import torch
 
+from medgraph.files import build_directory_once
 from medgraph.llm import (
     BUILTIN_MODELS,
     GenerationConfig,
@@ -31,7 +32,7 @@ from medgraph.llm import (
 )
 from medgraph.llm import models as models_module
 from medgraph.llm.hf import GRAPH_MARKER, TransformersChatModel, left_padded_position_ids
-from medgraph.llm.models import BuiltinModel, atomic_directory, builtin_gguf, builtin_model_dir
+from medgraph.llm.models import BuiltinModel, builtin_gguf, builtin_model_dir
 from medgraph.llm.openai_http import LlmRequestError, OpenAIChatModel
 from medgraph.llm.serve import serve
 
@@ -72,12 +73,16 @@ def test_builtin_smollm2_is_converted_once_and_cached(smollm2: TransformersChatM
     assert again.supports_graph_tokens and again.name == SMOLLM2
 
 
-def test_default_spec_comes_from_settings(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_spec_comes_from_settings_at_the_edge(monkeypatch: pytest.MonkeyPatch) -> None:
+    from medgraph.settings import load_settings
+
     monkeypatch.setenv("MEDGRAPH_LLM", "openai:served@http://127.0.0.1:9/v1")
-    model = load_llm()
+    model = load_llm(load_settings().llm)
     assert isinstance(model, OpenAIChatModel) and (model.model_id, model.base_url) == ("served", "http://127.0.0.1:9/v1")
     monkeypatch.delenv("MEDGRAPH_LLM")
-    assert parse_llm_spec(__import__("medgraph.settings").settings.load_settings().llm) == LlmSpec("builtin", SMOLLM2)
+    assert parse_llm_spec(load_settings().llm) == LlmSpec("builtin", SMOLLM2)
+    with pytest.raises(ValueError, match="pass home="):  # the library reads no settings of its own
+        load_llm(SMOLLM2)
 
 
 def test_batched_greedy_equals_one_at_a_time(smollm2: TransformersChatModel, batched: list) -> None:
@@ -242,19 +247,19 @@ def test_missing_chunk_package_is_named(tmp_path: Path, monkeypatch: pytest.Monk
         builtin_model_dir(name, tmp_path / "home")
 
 
-def test_atomic_directory_leaves_nothing_when_the_build_fails(tmp_path: Path) -> None:
+def test_build_directory_once_leaves_nothing_when_the_build_fails(tmp_path: Path) -> None:
     target = tmp_path / "models" / "m"
-    with pytest.raises(RuntimeError, match="crashed"), atomic_directory(target) as tmp:
+    with pytest.raises(RuntimeError, match="crashed"), build_directory_once(target) as tmp:
         (tmp / "config.json").write_text("{}")
         raise RuntimeError("crashed half-way")
     assert not target.exists() and not [p for p in target.parent.iterdir() if p.name.endswith(".tmp")]
 
 
-def test_atomic_directory_builds_once_for_concurrent_callers(tmp_path: Path) -> None:
+def test_build_directory_once_builds_once_for_concurrent_callers(tmp_path: Path) -> None:
     target, builds = tmp_path / "models" / "m", []
 
     def build() -> None:
-        with atomic_directory(target) as tmp:
+        with build_directory_once(target) as tmp:
             if tmp is not None:
                 builds.append(1)
                 time.sleep(0.2)

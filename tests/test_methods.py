@@ -17,12 +17,11 @@ import pytest
 import torch
 from conftest import copy_warehouse
 
+from medgraph.eval.questions import QaItem
 from medgraph.kg.graph import Triple
-from medgraph.kg.qa import QaItem
 from medgraph.llm.base import Conversation, GenerationConfig
 from medgraph.llm.scripted import ScriptedChatModel
 from medgraph.methods import (
-    METHODS,
     KnowledgeTools,
     make_config,
     parse_answer,
@@ -622,19 +621,8 @@ def test_the_methods_run_over_the_openai_compatible_backend_against_a_loopback_s
     assert server.batches  # the requests went over HTTP to the loopback server
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("method", list(METHODS))
-def test_every_method_runs_end_to_end_with_smollm2(method: str, tools: KnowledgeTools, smollm2):
-    results = run_method(method, [TREAT, MECHANISM], tools, smollm2, make_config(method, E2E_CONFIGS[method]),
-                         batch_size=2)
-    assert [r.qid for r in results] == ["treat", "mechanism"]
-    for result in results:
-        assert result.steps and result.method == method
-        assert result.completion_tokens > 0 and result.latency_s > 0
-        assert result.parse_failed == (result.prediction is None)
-        assert any(step.output for step in result.steps)
-    rows = trace_rows(results)
-    assert len(rows) == sum(len(r.steps) for r in results)
+# Every method end to end on SmolLM2: tests/test_prefix_cache.py runs each with the cache on and off (one
+# real-model run per method serves both checks; they were the two slowest groups of the suite).
 
 
 @pytest.mark.slow

@@ -12,7 +12,8 @@ from conftest import copy_warehouse
 
 from medgraph.gnn.model import GatModel
 from medgraph.storage import Warehouse
-from platform_assets.models import GAT_MODEL_NAME, gat_model
+from medgraph.tracking import GAT_MODEL
+from platform_assets.models import gat_model
 from resources import MlflowResource, WarehouseResource
 
 
@@ -54,7 +55,7 @@ def test_gat_model_must_beat_the_untrained_gat_then_the_champion(resources: dict
     assert sabotaged["candidate_value"].value < sabotaged["baseline_value"].value
     assert sabotaged["baseline_value"].value == sabotaged["valid_roc_auc_untrained"].value
     tracking = resources["mlflow_tracking"].tracking()
-    assert tracking.champion_version(GAT_MODEL_NAME) is None
+    assert tracking.champion_version(GAT_MODEL.name) is None
 
     first = train(resources, instance, epochs=3, steps_per_epoch=25)
     assert first["promoted"].value is True and first["model_version"].value == "2"
@@ -79,14 +80,14 @@ def test_gat_model_must_beat_the_untrained_gat_then_the_champion(resources: dict
     assert worse["promoted"].value is False and worse["model_version"].value == "3"
     assert worse["candidate_value"].value < worse["previous_champion_value"].value
     assert worse["gate_reference"].value == "champion v2"
-    assert tracking.champion_version(GAT_MODEL_NAME) == "2"
+    assert tracking.champion_version(GAT_MODEL.name) == "2"
     # The data version follows the champion, so a run that loses the gate changes nothing downstream.
     records = instance.fetch_materializations(dg.AssetKey(["models", "gat_model"]), limit=2).records
     versions = {r.asset_materialization.tags["dagster/data_version"] for r in records}
-    assert versions == {f"{GAT_MODEL_NAME}@champion=v2"}
+    assert versions == {f"{GAT_MODEL.name}@champion=v2"}
 
     mlflow.set_tracking_uri(tracking.tracking_uri)
-    model = mlflow.pytorch.load_model(f"models:/{GAT_MODEL_NAME}@champion")
+    model = mlflow.pytorch.load_model(f"models:/{GAT_MODEL.name}@champion")
     assert isinstance(model, GatModel) and model.relation_names and model.feature_table
     assert model.relation_codes(model.relation_names[:2]).tolist() == [0, 1]
 
@@ -103,6 +104,6 @@ def test_a_failed_training_run_registers_nothing_and_is_marked_failed(resources:
         ops={"models__gat_model": {"config": {"profile": "tiny", "epochs": 1, "steps_per_epoch": 5}}}))
     assert not result.success
     tracking = resources["mlflow_tracking"].tracking()
-    assert tracking.champion_version(GAT_MODEL_NAME) is None
+    assert tracking.champion_version(GAT_MODEL.name) is None
     (run,) = tracking.client.search_runs([tracking.experiment_id("gat_model")])
     assert run.info.status == "FAILED"

@@ -16,10 +16,10 @@ import torch
 from test_methods import E2E_CONFIGS
 
 from medgraph.eval.evaluate import summarize
-from medgraph.kg.qa import QaItem
+from medgraph.eval.questions import QaItem
 from medgraph.llm import GenerationConfig, assistant, system, user
 from medgraph.llm.hf import PrefixCache, TransformersChatModel, _Row
-from medgraph.methods import METHODS, KnowledgeTools, make_config, run_method
+from medgraph.methods import METHODS, KnowledgeTools, make_config, run_method, trace_rows
 from medgraph.retrieval import Retriever
 from medgraph.storage import Warehouse
 
@@ -152,10 +152,20 @@ def test_the_cache_keeps_to_its_memory_bound_and_drops_superseded_entries():
 def test_every_method_gives_the_same_answers_with_the_cache_and_computes_fewer_prompt_tokens(
         method: str, tools: KnowledgeTools, cached, uncached):
     config = make_config(method, CONFIGS.get(method, {"max_new_tokens": 16}))
-    items = [TREAT, FABRY_SEIZURE, MECHANISM][:2 if method in ("a2rag", "graph-r1", "sema-rag") else 3]
+    """Also the end-to-end test of every method on a real model (SmolLM2, few steps and tokens): each runs,
+    answers in the items' order, records its steps and tokens, and parses or says it could not."""
+    # The agents on a multiple-choice and a short-answer item; the cheap methods on a yes/no item too.
+    items = [TREAT, MECHANISM] if method in ("a2rag", "graph-r1", "sema-rag", "irag") else [TREAT, FABRY_SEIZURE, MECHANISM]
     cached.clear_prefix_cache()
     with_cache = run_method(method, items, tools, cached, config, batch_size=len(items))
     without = run_method(method, items, tools, uncached, config, batch_size=len(items))
+    assert [r.qid for r in with_cache] == [item.qid for item in items]
+    for result in with_cache:
+        assert result.steps and result.method == method
+        assert result.completion_tokens > 0 and result.latency_s > 0
+        assert result.parse_failed == (result.prediction is None)
+        assert any(step.output for step in result.steps)
+    assert len(trace_rows(with_cache)) == sum(len(r.steps) for r in with_cache)
     for a, b in zip(with_cache, without, strict=True):
         assert [(s.action, s.output, s.prompt_tokens, s.completion_tokens) for s in a.steps] == [
             (s.action, s.output, s.prompt_tokens, s.completion_tokens) for s in b.steps]

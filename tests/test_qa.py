@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 from conftest import SHARED_DATA, copy_warehouse
 
+from medgraph.eval.questions import load_mirage
 from medgraph.kg.qa import (
     QUESTION_TYPES,
     SPLIT_NAMES,
@@ -19,10 +20,9 @@ from medgraph.kg.qa import (
     fact_components,
     fact_splits,
     generate_qa_items,
-    load_mirage,
-    relation_phrases,
     split_of,
 )
+from medgraph.kg.relation_phrases import relation_phrases
 from medgraph.storage import Lake, Warehouse
 
 PER_TYPE = 150

@@ -247,7 +247,7 @@ def test_non_utf8_bytes_name_the_file_and_line(release_copy: Path, warehouse):
     (["q7"], "dataset 'medqa': expected an object of question id -> item, found list"),
 ])
 def test_malformed_mirage_items_name_the_file_and_question(tmp_path: Path, questions: object, message: str):
-    from medgraph.kg.qa import load_mirage
+    from medgraph.eval.questions import load_mirage
 
     path = tmp_path / "benchmark.json"
     path.write_text(json.dumps({"medqa": questions}))
@@ -260,7 +260,7 @@ def test_malformed_mirage_items_name_the_file_and_question(tmp_path: Path, quest
 
 
 def test_truncated_and_non_utf8_mirage_files_name_the_file_and_line(tmp_path: Path):
-    from medgraph.kg.qa import load_mirage
+    from medgraph.eval.questions import load_mirage
 
     text = json.dumps({"medqa": {"q1": MC_ITEM, "q2": MC_ITEM}}, indent=1)
     truncated = tmp_path / "truncated.json"

@@ -22,7 +22,8 @@ import pytest
 import torch
 from conftest import copy_warehouse
 
-from medgraph.kg.qa import QaItem, generate_qa_items
+from medgraph.eval.questions import QaItem
+from medgraph.kg.qa import generate_qa_items
 from medgraph.llm.base import GenerationConfig, assistant, system, user
 from medgraph.llm.hf import TransformersChatModel
 from medgraph.methods.graph_r1 import GraphR1Config, GraphR1Env, GraphR1State
@@ -42,10 +43,6 @@ from medgraph.rl.grpo import (
 )
 from medgraph.rl.model import LoraSettings, latest_checkpoint, load_trainable, save_policy
 from medgraph.rl.policy import (
-    POLICY_GATE,
-    POLICY_MODEL_NAME,
-    SFT_GATE,
-    SFT_MODEL_NAME,
     VALIDATION_KEY_TAG,
     base_model_baseline,
     choose_policy,
@@ -60,7 +57,7 @@ from medgraph.rl.rollout import encode_conversation, evaluate, generation_config
 from medgraph.rl.scale import VllmRollouts
 from medgraph.rl.sft import SftConfig, expert_demonstrations, load_qa_items, train_sft
 from medgraph.storage import Warehouse
-from medgraph.tracking import Tracking
+from medgraph.tracking import GRAPH_R1_POLICY_MODEL, GRAPH_R1_SFT_MODEL, Tracking
 from platform_assets.policy import graph_r1_policy, graph_r1_sft
 from resources import EncoderResource, LlmResource, MlflowResource, WarehouseResource
 
@@ -389,18 +386,18 @@ def test_grpo_gate_refuses_a_first_policy_worse_than_its_sft_start_and_accepts_a
     tracking = Tracking(f"sqlite:///{mlflow_db}", str(tmp_path / "artifacts"))
     # The demo's first policy: validation reward 0.157 below its SFT start's 0.175, accuracy 0.
     demo = grpo_metrics(start=(0.175, 0.125), end=(0.157, 0.0))
-    version = register_policy(tracking, POLICY_MODEL_NAME, **{k: v for k, v in demo.items() if "start" not in k})
-    decision = tracking.promote_if_better(POLICY_MODEL_NAME, version, POLICY_GATE,
+    version = register_policy(tracking, GRAPH_R1_POLICY_MODEL.name, **{k: v for k, v in demo.items() if "start" not in k})
+    decision = tracking.promote_if_better(GRAPH_R1_POLICY_MODEL.name, version, GRAPH_R1_POLICY_MODEL.gate,
                                           baseline=sft_start_baseline(demo, "models:/m-sft"))
-    assert not decision.promoted and tracking.champion_version(POLICY_MODEL_NAME) is None
+    assert not decision.promoted and tracking.champion_version(GRAPH_R1_POLICY_MODEL.name) is None
     assert decision.baseline_name == "SFT start models:/m-sft" and decision.baseline_value == 0.175
     assert decision.compared == {"valid_reward": (pytest.approx(0.157), 0.175), "valid_accuracy": (0.0, 0.125)}
 
     better = grpo_metrics(start=(0.175, 0.125), end=(0.3, 0.125))
-    version = register_policy(tracking, POLICY_MODEL_NAME, **{k: v for k, v in better.items() if "start" not in k})
-    decision = tracking.promote_if_better(POLICY_MODEL_NAME, version, POLICY_GATE,
+    version = register_policy(tracking, GRAPH_R1_POLICY_MODEL.name, **{k: v for k, v in better.items() if "start" not in k})
+    decision = tracking.promote_if_better(GRAPH_R1_POLICY_MODEL.name, version, GRAPH_R1_POLICY_MODEL.gate,
                                           baseline=sft_start_baseline(better, "models:/m-sft"))
-    assert decision.promoted and tracking.champion_version(POLICY_MODEL_NAME) == version
+    assert decision.promoted and tracking.champion_version(GRAPH_R1_POLICY_MODEL.name) == version
 
 
 def test_sft_gate_refuses_a_first_policy_worse_than_the_base_model_and_accepts_a_better_one(mlflow_db: Path,
@@ -408,13 +405,13 @@ def test_sft_gate_refuses_a_first_policy_worse_than_the_base_model_and_accepts_a
     tracking = Tracking(f"sqlite:///{mlflow_db}", str(tmp_path / "artifacts"))
     base = base_model_baseline({"reward": 0.1, "accuracy": 0.25, "format_rate": 0.5}, "smollm2-135m-instruct")
     assert base.values == {"valid_reward": 0.1, "valid_accuracy": 0.25}  # `evaluate` keys, as the SFT asset logs them
-    worse = register_policy(tracking, SFT_MODEL_NAME, valid_reward=0.09, valid_accuracy=0.5)
-    decision = tracking.promote_if_better(SFT_MODEL_NAME, worse, SFT_GATE, baseline=base)
+    worse = register_policy(tracking, GRAPH_R1_SFT_MODEL.name, valid_reward=0.09, valid_accuracy=0.5)
+    decision = tracking.promote_if_better(GRAPH_R1_SFT_MODEL.name, worse, GRAPH_R1_SFT_MODEL.gate, baseline=base)
     assert not decision.promoted and decision.as_metadata()["baseline_name"] == "base model smollm2-135m-instruct"
-    assert tracking.champion_version(SFT_MODEL_NAME) is None
-    better = register_policy(tracking, SFT_MODEL_NAME, valid_reward=0.2, valid_accuracy=0.25)
-    assert tracking.promote_if_better(SFT_MODEL_NAME, better, SFT_GATE, baseline=base).promoted
-    assert tracking.champion_version(SFT_MODEL_NAME) == better
+    assert tracking.champion_version(GRAPH_R1_SFT_MODEL.name) is None
+    better = register_policy(tracking, GRAPH_R1_SFT_MODEL.name, valid_reward=0.2, valid_accuracy=0.25)
+    assert tracking.promote_if_better(GRAPH_R1_SFT_MODEL.name, better, GRAPH_R1_SFT_MODEL.gate, baseline=base).promoted
+    assert tracking.champion_version(GRAPH_R1_SFT_MODEL.name) == better
 
 
 def test_grpo_takes_its_sft_starts_validation_only_when_it_is_the_same_measurement(mlflow_db: Path, tmp_path: Path):
@@ -430,13 +427,13 @@ def test_grpo_takes_its_sft_starts_validation_only_when_it_is_the_same_measureme
     key = validation_key(items, SMALL_ENV)
     assert key != validation_key(items[:1], SMALL_ENV) and key != validation_key(items, TINY_ENV)
     assert key != validation_key(items, SMALL_ENV, reward_variant="authors")
-    with tracking.start_run(SFT_MODEL_NAME):
+    with tracking.start_run(GRAPH_R1_SFT_MODEL.name):
         mlflow.set_tag(VALIDATION_KEY_TAG, key)
         mlflow.log_metrics({"valid_reward": 0.25, "valid_accuracy": 0.125, "valid_base_reward": 0.0,
                             "train_nll_last": 1.5})
         uri = tracking.log_torch_model(torch.nn.Linear(2, 1))
-    version = tracking.register(uri, SFT_MODEL_NAME)
-    start = f"models:/{SFT_MODEL_NAME}/{version}"
+    version = tracking.register(uri, GRAPH_R1_SFT_MODEL.name)
+    start = f"models:/{GRAPH_R1_SFT_MODEL.name}/{version}"
     assert recorded_validation(tracking, start, key) == {"valid_reward": 0.25, "valid_accuracy": 0.125}
     assert recorded_validation(tracking, start, validation_key(items[:1], SMALL_ENV)) is None  # other questions
     assert recorded_validation(tracking, uri, key) is None  # not a registered version: measured again
@@ -450,33 +447,34 @@ def test_evaluation_picks_the_grpo_champion_else_the_sft_champion_else_the_base_
     assert all(method_of(m) == "graph-r1" and make_config(m).actions for m in methods)
 
     def sources() -> dict[str, str | None]:
-        return {m: choose_policy(m, uri).source for m in methods}
+        return {m: choose_policy(m, tracking).source for m in methods}
 
-    assert choose_policy("graph-r1", f"sqlite:///{tmp_path / 'absent.db'}").source == "base"
+    absent = Tracking(f"sqlite:///{tmp_path / 'absent.db'}", str(tmp_path / "artifacts"))
+    assert choose_policy("graph-r1", absent).source == "base"
     assert not (tmp_path / "absent.db").exists()  # asking does not create a registry
     assert sources() == {"graph-r1": "base", "graph-r1-no-analyze": "base", "graph-r1-no-sft": "base",
                          "graph-r1-sft-only": None}
-    skipped = choose_policy("graph-r1-sft-only", uri)
-    assert skipped.description.startswith(f"skipped: no {SFT_MODEL_NAME}@champion") and skipped.model_uri is None
-    assert load_chosen_policy(choose_policy("graph-r1-no-sft", uri), uri) is None  # the base LLM plays
+    skipped = choose_policy("graph-r1-sft-only", tracking)
+    assert skipped.description.startswith(f"skipped: no {GRAPH_R1_SFT_MODEL.name}@champion") and skipped.model_uri is None
+    assert load_chosen_policy(choose_policy("graph-r1-no-sft", tracking), tracking) is None  # the base LLM plays
     from platform_assets.evaluation import _load_policy
 
-    chosen, environment = _load_policy(["cot", "graph-r1", "graph-r1-sft-only"], uri, tmp_path)  # as eval assets
+    chosen, environment = _load_policy(["cot", "graph-r1", "graph-r1-sft-only"], tracking)  # as eval assets
     assert {m: (c.source, model) for m, (c, model) in chosen.items()} == {"graph-r1": ("base", None),
                                                                          "graph-r1-sft-only": (None, None)}
     assert environment == {}  # no trained policy: the method's own environment
 
-    sft = register_policy(tracking, SFT_MODEL_NAME, valid_reward=0.2)
-    tracking.client.set_registered_model_alias(SFT_MODEL_NAME, "champion", sft)
+    sft = register_policy(tracking, GRAPH_R1_SFT_MODEL.name, valid_reward=0.2)
+    tracking.client.set_registered_model_alias(GRAPH_R1_SFT_MODEL.name, "champion", sft)
     assert sources() == {"graph-r1": "sft", "graph-r1-no-analyze": "sft", "graph-r1-no-sft": "base",
                          "graph-r1-sft-only": "sft"}
-    assert choose_policy("graph-r1", uri).model_uri == f"models:/{SFT_MODEL_NAME}/{sft}"
+    assert choose_policy("graph-r1", tracking).model_uri == f"models:/{GRAPH_R1_SFT_MODEL.name}/{sft}"
 
-    grpo = register_policy(tracking, POLICY_MODEL_NAME, valid_reward=0.3)
-    tracking.client.set_registered_model_alias(POLICY_MODEL_NAME, "champion", grpo)
+    grpo = register_policy(tracking, GRAPH_R1_POLICY_MODEL.name, valid_reward=0.3)
+    tracking.client.set_registered_model_alias(GRAPH_R1_POLICY_MODEL.name, "champion", grpo)
     assert sources() == {"graph-r1": "grpo", "graph-r1-no-analyze": "grpo", "graph-r1-no-sft": "base",
                          "graph-r1-sft-only": "sft"}
-    assert choose_policy("graph-r1", uri).description == f"{POLICY_MODEL_NAME} v{grpo} (GRPO champion)"
+    assert choose_policy("graph-r1", tracking).description == f"{GRAPH_R1_POLICY_MODEL.name} v{grpo} (GRPO champion)"
 
 
 # --------------------------------------------------------------------------- the assets
@@ -491,7 +489,7 @@ def test_policy_assets_train_register_and_load_the_champion(qa_warehouse: Wareho
                  # The session's converted checkpoint as a local model directory: no second GGUF conversion.
                  "llm": LlmResource(spec=str(smollm2.model_dir), home=str(tmp_path), device="cpu"),
                  "mlflow_tracking": MlflowResource(tracking_uri=tracking_uri, artifact_root=str(tmp_path / "art"))}
-    assert load_champion_policy(tracking_uri) is None
+    assert load_champion_policy(resources["mlflow_tracking"].tracking()) is None
     instance = dg.DagsterInstance.ephemeral()
     with pytest.raises(dg.Failure, match="materialize models/graph_r1_sft first"):
         dg.materialize([graph_r1_policy], resources=resources, instance=instance)
@@ -504,7 +502,7 @@ def test_policy_assets_train_register_and_load_the_champion(qa_warehouse: Wareho
     assert sft.metadata["demonstrations"].value > 0 and sft.metadata["validation_questions"].value == 1
     assert {"valid_reward", "valid_accuracy", "valid_format_rate", "train_nll_last"} <= set(sft.metadata)
     # Registered and gated against the base model, evaluated although evaluate_base is off: no SFT champion yet.
-    assert sft.metadata["registered_model"].value == SFT_MODEL_NAME and sft.metadata["model_version"].value == "1"
+    assert sft.metadata["registered_model"].value == GRAPH_R1_SFT_MODEL.name and sft.metadata["model_version"].value == "1"
     assert sft.metadata["baseline_name"].value.startswith("base model")
     assert sft.metadata["baseline_value"].value == sft.metadata["valid_base_reward"].value
     assert sft.metadata["promoted"].value is (
@@ -518,12 +516,12 @@ def test_policy_assets_train_register_and_load_the_champion(qa_warehouse: Wareho
                                           and metadata["valid_accuracy"].value >= metadata["valid_accuracy_start"].value)
     assert metadata["sft_model_uri"].value == sft.metadata["model_uri"].value
     # Evaluation runs a policy in the environment it was trained in (the tiny profile's), actions aside.
-    assert policy_environment(sft.metadata["model_uri"].value, tracking_uri) == {
+    assert policy_environment(sft.metadata["model_uri"].value, resources["mlflow_tracking"].tracking()) == {
         k: v for k, v in dataclasses.asdict(TINY_ENV).items() if k != "actions"}
     if sft.metadata["promoted"].value:  # GRPO starts from the SFT champion, whose validation step 0 takes over
         assert metadata["valid_reward_start"].value == sft.metadata["valid_reward"].value
     champion_version = "1" if metadata["promoted"].value else "None"
-    assert policy.tags["dagster/data_version"] == f"{POLICY_MODEL_NAME}@champion=v{champion_version}"
+    assert policy.tags["dagster/data_version"] == f"{GRAPH_R1_POLICY_MODEL.name}@champion=v{champion_version}"
 
     tracking = resources["mlflow_tracking"].tracking()
     run = tracking.client.get_run(metadata["mlflow_run_id"].value)
@@ -535,13 +533,13 @@ def test_policy_assets_train_register_and_load_the_champion(qa_warehouse: Wareho
                                                                                   "training_curves.png"}
     assert not any((home / "checkpoints" / "graph_r1_policy").glob("*/checkpoints/step-*"))  # cleaned up
 
-    choice = choose_policy("graph-r1", tracking_uri)
+    choice = choose_policy("graph-r1", tracking)
     expected = "grpo" if metadata["promoted"].value else "sft" if sft.metadata["promoted"].value else "base"
     assert choice.source == expected
     if choice.source == "grpo":
-        champion = load_champion_policy(tracking_uri)
+        champion = load_champion_policy(tracking)
         assert isinstance(champion, TransformersChatModel) and champion.name == "graph-r1-policy"
     if choice.model_uri is not None:
-        chosen = load_chosen_policy(choice, tracking_uri)
+        chosen = load_chosen_policy(choice, tracking)
         reply = chosen.complete([user("Which drug may treat hypertension?")], GenerationConfig(max_new_tokens=4))
         assert reply.completion_tokens > 0

@@ -64,7 +64,7 @@ def materialize_graph(env: dict[str, str]) -> Warehouse:
     assert result.success, failures
     dbt_checks = [c for c in result.get_asset_check_evaluations() if c.asset_key.path[0] == "kg"]
     assert dbt_checks and all(c.passed for c in dbt_checks)
-    return resources["warehouse"].open()
+    return resources["warehouse"].get_warehouse()
 
 
 def table_fingerprints(warehouse: Warehouse, tables: list[str]) -> dict[str, tuple[int, str]]:
@@ -249,7 +249,7 @@ def test_install_failing_in_the_copy_discards_the_staging_object(tmp_path: Path,
     from resources.warehouse import S3Access, WarehouseResource
 
     lake = WarehouseResource(home=str(tmp_path), lake=f"s3://{bucket}/lake", s3=S3Access(endpoint_url=s3_server)
-                             ).open().lake
+                             ).get_warehouse().lake
     target = lake.file_path("embeddings", "x.1.faiss")
     first = lake.scratch_path("embeddings", "x", suffix=".faiss")
     first.write_bytes(b"version one")
@@ -278,7 +278,7 @@ def test_failed_write_keeps_the_previous_s3_object_and_leaves_no_staging(
     from resources.warehouse import S3Access, WarehouseResource
 
     warehouse = WarehouseResource(home=str(tmp_path / "home"), lake=f"s3://{bucket}/lake",
-                                  s3=S3Access(endpoint_url=s3_server)).open()
+                                  s3=S3Access(endpoint_url=s3_server)).get_warehouse()
     stats = ingest_rrf_file(synthetic_release, "MRREL", warehouse)
     assert stats.parquet_path == f"s3://{bucket}/lake/umls/mrrel.parquet"
     assert stats.parquet_bytes == s3.head_object(Bucket=bucket, Key="lake/umls/mrrel.parquet")["ContentLength"]
@@ -343,14 +343,14 @@ def test_bad_s3_locations_are_clear_errors(tmp_path: Path):
     with pytest.raises(S3UriError, match="expected s3://bucket"):
         parse_s3_uri("s3://Bad_Bucket/x")
     with pytest.raises(S3UriError, match="not an S3 location"):
-        WarehouseResource(home=str(tmp_path), lake="s3://x").open()
+        WarehouseResource(home=str(tmp_path), lake="s3://x").get_warehouse()
 
 
 def test_code_treating_an_s3_lake_as_a_directory_gets_a_clear_error(tmp_path: Path, s3_server: str, aws_env):
     from resources.warehouse import S3Access, WarehouseResource
 
     lake = WarehouseResource(home=str(tmp_path), lake="s3://medgraph-lake/x",
-                             s3=S3Access(endpoint_url=s3_server)).open().lake
+                             s3=S3Access(endpoint_url=s3_server)).get_warehouse().lake
     with pytest.raises(LakeNotLocalError, match="the lake is s3://medgraph-lake/x, not a directory"):
         _ = lake.root
 
@@ -364,7 +364,7 @@ def test_open_warehouse_from_settings_opens_the_configured_s3_lake(tmp_path: Pat
            "MEDGRAPH_S3_ENDPOINT_URL": s3_server}
     warehouse = open_warehouse(load_settings(env))
     resource = WarehouseResource(home=str(tmp_path), lake=f"s3://{bucket}/lake",
-                                 s3=S3Access(endpoint_url=s3_server)).open()
+                                 s3=S3Access(endpoint_url=s3_server)).get_warehouse()
     assert isinstance(warehouse.lake, S3Lake) and warehouse.lake == resource.lake
     assert warehouse.path == resource.path
     s3.put_object(Bucket=bucket, Key="lake/t/x.parquet", Body=b"")

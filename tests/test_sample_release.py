@@ -246,19 +246,32 @@ def test_unresolved_drug_targets_fail_a_strict_profile_listing_them():
     table = [sample_release.DrugRelation("lisinopril", "may_treat", "hypertension", "phenotype"),
              sample_release.DrugRelation("placebo", "may_treat", "Nonexistent syndrome", "disease"),
              sample_release.DrugRelation("placebo", "may_prevent", "Imaginary fever", "phenotype")]
-    assert sample_release.PROFILES["broad"].strict_drug_targets
+    assert sample_release.SAMPLE_RELEASE_PROFILES["broad"].strict_drug_targets
     with pytest.raises(DrugTargetError, match=r"2 drug-table target.*Imaginary fever \(phenotype\); "
                                               r"Nonexistent syndrome \(disease\)"):
-        sample_release._add_drugs(release, sample_release.PROFILES["broad"], table)
-    asserted, skipped = sample_release._add_drugs(release, sample_release.PROFILES["tiny"], table)
+        sample_release._add_drugs(release, sample_release.SAMPLE_RELEASE_PROFILES["broad"], table)
+    asserted, skipped = sample_release._add_drugs(release, sample_release.SAMPLE_RELEASE_PROFILES["tiny"], table)
     assert asserted == 1 and skipped == ("Imaginary fever (phenotype)", "Nonexistent syndrome (disease)")
 
 
-def test_a_failed_write_leaves_the_previous_release_and_no_debris(tmp_path: Path):
+def test_a_failed_write_leaves_the_previous_release_and_no_debris(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch):
     out = tmp_path / "META"
-    sample_release._write_atomically(out, {"MRCONSO.RRF": b"old|\n"})
-    with pytest.raises(FileNotFoundError):
-        sample_release._write_atomically(out, {"MRCONSO.RRF": b"new|\n", "missing/MRREL.RRF": b"x|\n"})
+    out.mkdir()
+    (out / "MRCONSO.RRF").write_bytes(b"old|\n")
+    written = []
+
+    def write_then_fail(path: Path, data: bytes) -> Path:
+        if written:  # the second file of the release: the disk is full
+            raise OSError("No space left on device")
+        written.append(path)
+        path.write_bytes(data)
+        return path
+
+    monkeypatch.setattr(sample_release, "write_atomically", write_then_fail)
+    with pytest.raises(OSError, match="No space left"):
+        sample_release.build_sample_release(out, "tiny")
+    assert written and [p.name for p in out.iterdir()] == ["MRCONSO.RRF"]
     assert (out / "MRCONSO.RRF").read_bytes() == b"old|\n"
     assert [p.name for p in tmp_path.iterdir()] == ["META"]
 

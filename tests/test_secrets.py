@@ -13,10 +13,11 @@ from conftest import REPO_ROOT
 from test_monitoring import result_row, summary_row
 
 from medgraph.eval.evaluate import write_partition
+from medgraph.s3 import SecretValueError
 from medgraph.settings import load_settings
 from platform_assets import evaluation, kg, umls
 from resources import build_resources
-from resources.aws import LakeS3Resource, SecretValueError
+from resources.warehouse import S3Access
 
 CANARY_KEY_ID = "AKIACANARY0MEDGRAPH7"
 CANARY_SECRET = "canary-s3-secret-Zq81xWv0pLk"
@@ -64,7 +65,7 @@ def test_no_secret_reaches_logs_metadata_mlflow_reports_or_dbt_files(
     env = {**secret_env, "MEDGRAPH_UMLS_DIR": str(synthetic_release)}
     resources = build_resources(load_settings(env))
     # The lake's keys really are the secret's (and the resource config holds only the secret's id).
-    warehouse = resources["warehouse"].open()
+    warehouse = resources["warehouse"].get_warehouse()
     assert (warehouse.lake.options.key_id, warehouse.lake.options.secret) == (CANARY_KEY_ID, CANARY_SECRET)
     config_dump = json.dumps({k: getattr(r, "model_dump", dict)() for k, r in resources.items()}, default=str)
     assert not scan([], [config_dump, repr(warehouse)])
@@ -107,7 +108,7 @@ def test_a_bad_secret_is_a_clear_error_that_names_the_secret_not_its_value(secre
     sm = boto3.client("secretsmanager", endpoint_url=secret_env["MEDGRAPH_S3_ENDPOINT_URL"])
     sm.create_secret(Name="medgraph/half", SecretString=json.dumps({"aws_access_key_id": CANARY_KEY_ID}))
     with pytest.raises(SecretValueError, match=r"'medgraph/half' lacks the keys \['aws_secret_access_key'\]") as e:
-        LakeS3Resource(credentials_secret_id="medgraph/half").get_client()
+        S3Access(credentials_secret_id="medgraph/half").client()
     assert CANARY_KEY_ID not in str(e.value)
     with pytest.raises(SecretValueError, match="cannot read secret 'medgraph/absent'"):
-        LakeS3Resource(credentials_secret_id="medgraph/absent").get_client()
+        S3Access(credentials_secret_id="medgraph/absent").client()

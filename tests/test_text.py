@@ -17,7 +17,7 @@ from medgraph.text import corpus as corpus_module
 from medgraph.text.bm25 import FTS_SCHEMA, Bm25IndexMissing, bm25_search, build_bm25_index, load_fts
 from medgraph.text.chunking import load_tokenizer, window_spans
 from medgraph.text.corpus import CorpusFile, CorpusFormatError, build_corpus_chunks, read_corpus_file
-from medgraph.text.mentions import Chunk, ConceptDictionary, Mention, link_chunk_mentions
+from medgraph.text.mentions import ConceptDictionary, Mention, TextChunk, link_chunk_mentions
 
 SIMPLE_WORDS = ["the", "cat", "sat", "on", "the", "mat", "with", "a", "dog", "and", "fish", "near", "my", "red",
                 "car"]  # one token each
@@ -258,7 +258,7 @@ def test_pubmedqa_abstracts_are_found_by_their_questions(kg_copy: Warehouse, tmp
 def test_chunk_mentioning_two_concepts_links_both_with_offsets(kg_warehouse: Warehouse, node_cui):
     dictionary = ConceptDictionary.from_warehouse(kg_warehouse)
     text = "A boy with Focal motor seizure; later, bradycardia at rest."
-    mentions = dictionary([Chunk("c1", "", text)])
+    mentions = dictionary([TextChunk("c1", "", text)])
     got = {(m.cui, m.mention, m.match_type, m.score, m.start_char, m.end_char) for m in mentions}
     assert got == {
         (node_cui("Focal motor seizure"), "Focal motor seizure", "exact", 1.0, 11, 30),
@@ -269,11 +269,11 @@ def test_chunk_mentioning_two_concepts_links_both_with_offsets(kg_warehouse: War
 
 def test_plural_and_joined_hyphen_variants_match_fuzzily(kg_warehouse: Warehouse, node_cui):
     dictionary = ConceptDictionary.from_warehouse(kg_warehouse)
-    [plural] = dictionary([Chunk("c1", "", "Recurrent bradycardias were recorded.")])
+    [plural] = dictionary([TextChunk("c1", "", "Recurrent bradycardias were recorded.")])
     assert (plural.cui, plural.mention, plural.match_type) == (node_cui("Bradycardia"), "bradycardias", "fuzzy")
     assert 0.9 < plural.score < 1.0
     toy = ConceptDictionary.from_names([("C1", "X-ray"), ("C2", "Seizure (finding)")])
-    found = toy([Chunk("c2", "", "An xray after the seizure; then an X-ray.")])
+    found = toy([TextChunk("c2", "", "An xray after the seizure; then an X-ray.")])
     assert [(m.cui, m.mention, m.match_type) for m in found] == [
         ("C1", "xray", "fuzzy"), ("C2", "seizure", "exact"), ("C1", "X-ray", "exact")]
 
@@ -283,7 +283,7 @@ def test_short_stop_word_ambiguous_and_acronym_names(kg_warehouse: Warehouse):
         [("C1", "Was"), ("C2", "ab"), ("C3", "Cold"), ("C4", "cold"), ("C5", "COPD"), ("C6", "heart disease")],
         max_concepts_per_name=1)
     assert toy.skipped == {"stop_words": 1, "too_short": 1, "ambiguous": 1}
-    found = toy([Chunk("c", "", "It was cold. COPD and copd. The heart. Disease; heart  disease")])
+    found = toy([TextChunk("c", "", "It was cold. COPD and copd. The heart. Disease; heart  disease")])
     assert [(m.cui, m.mention) for m in found] == [("C5", "COPD"), ("C6", "heart  disease")]
 
 

@@ -8,7 +8,8 @@ import mlflow
 import pytest
 import torch
 
-from medgraph.tracking import Baseline, Gate, Tracking, metric_name
+from medgraph.settings import load_settings
+from medgraph.tracking import Baseline, Gate, RegisteredModel, Tracking, checkpoint_dir, metric_name
 
 UNTRAINED = Baseline("untrained model", {"val_auc": 0.5})
 
@@ -123,3 +124,48 @@ def test_statistic_labels_become_valid_metric_names(tracking: Tracking):
         mlflow.log_metrics({metric_name(n): 0.5 for n in names})
         logged = set(mlflow.get_run(mlflow.active_run().info.run_id).data.metrics)
     assert logged == {"a2rag/routing_share/KG_Text", *names[1:]}
+
+
+def test_register_and_gate_reports_the_version_its_decision_and_the_champion(tracking: Tracking):
+    model = RegisteredModel("test", "medgraph-test", Gate("val_auc"), "a test model")
+
+    def train(auc: float):
+        with tracking.start_run("gat_model") as run:
+            mlflow.log_metrics({"val_auc": auc})
+            uri = tracking.log_torch_model(torch.nn.Linear(4, 1))
+            return run.info.run_id, tracking.register_and_gate(uri, model, UNTRAINED, tags={"dagster/run_id": "r"})
+
+    run_id, first = train(0.8)
+    metadata = first.as_metadata()
+    assert list(metadata) == ["mlflow_run_id", "model_uri", "registered_model", "model_version", "champion_uri",
+                              *first.promotion.as_metadata()]
+    assert [metadata[k] for k in list(metadata)[:5]] == [run_id, "models:/medgraph-test/1", "medgraph-test", "1",
+                                                         "models:/medgraph-test@champion"]
+    assert metadata["decision"] == first.promotion.reason and metadata["baseline_name"] == "untrained model"
+    assert first.promotion.promoted and first.data_version == "medgraph-test@champion=v1"
+    _, worse = train(0.7)  # registered, not promoted: the data version stays the champion's
+    assert (worse.version, worse.promotion.promoted, worse.data_version) == ("2", False, "medgraph-test@champion=v1")
+
+
+def test_tracking_from_settings_honours_every_mlflow_setting(tmp_path: Path):
+    home = {"MEDGRAPH_HOME": str(tmp_path)}
+    assert Tracking.from_settings(load_settings(home)) == Tracking(f"sqlite:///{tmp_path / 'mlflow.db'}",
+                                                                   str(tmp_path / "artifacts"))
+    remote = load_settings({**home, "MLFLOW_TRACKING_URI": "http://mlflow:5000",
+                            "MEDGRAPH_MLFLOW_ARTIFACTS": "s3://bucket/mlflow"})
+    assert Tracking.from_settings(remote) == Tracking("http://mlflow:5000", "s3://bucket/mlflow")
+
+
+def test_a_checkpoint_folder_belongs_to_one_configuration_inputs_and_start(tmp_path: Path):
+    class Run:  # what checkpoint_dir reads of an MLflow run: its tags
+        def __init__(self, **tags: str):
+            self.data = type("RunData", (), {"tags": {"dagster/run_id": "x", **tags}})()
+
+    run = Run(**{"data_version/kg/kg_edges": "abc"})
+    folder = checkpoint_dir(tmp_path, run, {"steps": 3, "device": "cuda", "progress": True})
+    assert folder.parent == tmp_path
+    assert folder == checkpoint_dir(tmp_path, Run(**{"data_version/kg/kg_edges": "abc", "other": "tag"}),
+                                    {"steps": 3, "device": "cpu", "progress": False})  # how, not what, is trained
+    assert folder != checkpoint_dir(tmp_path, run, {"steps": 4})
+    assert folder != checkpoint_dir(tmp_path, Run(**{"data_version/kg/kg_edges": "def"}), {"steps": 3})
+    assert folder != checkpoint_dir(tmp_path, run, {"steps": 3}, sft="models:/medgraph-graph-r1-sft/1")

@@ -78,7 +78,7 @@ def test_materializing_umls_assets_fills_tables_and_passes_checks(medgraph_home:
     orphans = checks.pop(("mrrel", "cuis_present_in_mrconso"))
     assert all(c.passed for c in checks.values()), [k for k, c in checks.items() if not c.passed]
     # The synthetic release has Spanish-only concepts; the English filter leaves their relations orphaned.
-    warehouse = resources_for(medgraph_home, release_copy)["warehouse"].open()
+    warehouse = resources_for(medgraph_home, release_copy)["warehouse"].get_warehouse()
     with warehouse.connect(read_only=True) as con:
         expected_orphans = con.execute(
             "SELECT count(DISTINCT cui) FROM (SELECT CUI1 AS cui FROM umls.mrrel UNION ALL SELECT CUI2 FROM umls.mrrel) "
@@ -93,7 +93,7 @@ def test_malformed_cui_is_refused_before_publishing(medgraph_home: Path, release
     resources = resources_for(medgraph_home, release_copy)
     selection = [dg.AssetKey(["umls", "mrsty"])]
     assert dg.materialize([*umls.umls_tables, *umls.umls_checks], resources=resources, selection=selection).success
-    warehouse = resources["warehouse"].open()
+    warehouse = resources["warehouse"].get_warehouse()
     before = warehouse.count("umls.mrsty")
     path = release_copy / "MRSTY.RRF"
     fields = path.read_text().splitlines()[0].split("|")
@@ -112,7 +112,7 @@ def test_malformed_cui_is_refused_before_publishing(medgraph_home: Path, release
 def test_failed_materialization_leaves_previous_table(medgraph_home: Path, release_copy: Path):
     resources = resources_for(medgraph_home, release_copy)
     assert dg.materialize(umls.umls_tables, resources=resources, selection=[UMLS_KEYS[3]]).success
-    warehouse = resources["warehouse"].open()
+    warehouse = resources["warehouse"].get_warehouse()
     before = warehouse.count("umls.mrdef")
     replace_line(release_copy / "MRDEF.RRF", 4, "C0000004|A0000004|")
     result = dg.materialize(umls.umls_tables, resources=resources, selection=[UMLS_KEYS[3]], raise_on_error=False)
@@ -144,13 +144,13 @@ def test_release_observation_data_version_is_the_content_fingerprint(medgraph_ho
 
 @pytest.mark.slow
 def test_cli_materializes_umls_assets_from_any_release(tmp_path: Path, synthetic_release: Path):
-    """Acceptance: `dagster asset materialize -m definitions` with MEDGRAPH_UMLS_DIR set."""
+    """Acceptance: `dg launch -m definitions --assets group:umls` (what make demo runs) with MEDGRAPH_UMLS_DIR set."""
     home = tmp_path / "home"
     env = {**os.environ, "MEDGRAPH_HOME": str(home), "MEDGRAPH_UMLS_DIR": str(synthetic_release),
            "DAGSTER_HOME": str(tmp_path / "dagster"), "MEDGRAPH_PROFILE": "tiny"}
     (tmp_path / "dagster").mkdir()
-    dagster = Path(sys.executable).parent / "dagster"
-    proc = subprocess.run([str(dagster), "asset", "materialize", "-m", "definitions", "--select", "group:umls"],
+    dg = Path(sys.executable).parent / "dg"
+    proc = subprocess.run([str(dg), "launch", "-m", "definitions", "--assets", "group:umls"],
                           cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300, check=False)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     import duckdb
@@ -194,7 +194,7 @@ def test_a_bad_mrrel_leaves_the_whole_previous_release(medgraph_home: Path, rele
     warehouse held two releases at once. Now all five are staged and checked, then swapped in one step."""
     resources = resources_for(medgraph_home, release_copy)
     assert dg.materialize([*umls.umls_tables, *umls.umls_checks], resources=resources).success
-    warehouse = resources["warehouse"].open()
+    warehouse = resources["warehouse"].get_warehouse()
     before, files_before = contents(warehouse), lake_files(medgraph_home)
     assert all(before.values())
 
@@ -232,7 +232,7 @@ def test_one_table_alone_is_refused_when_the_release_changed_under_the_others(me
     tables of the old one (the mixed state fault 2 is about)."""
     resources = resources_for(medgraph_home, release_copy)
     assert dg.materialize(umls.umls_tables, resources=resources).success
-    warehouse = resources["warehouse"].open()
+    warehouse = resources["warehouse"].get_warehouse()
     before = contents(warehouse)
     revise(release_copy, "MRDEF")
     revise(release_copy, "MRSTY")

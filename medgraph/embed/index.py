@@ -4,7 +4,7 @@ Vectors are unit length, so inner product is cosine similarity. Tables with at
 least `ann_threshold` rows get an HNSW graph (`IndexHNSWFlat`); smaller ones
 are searched exactly (`IndexFlatIP`), which is both faster to build and exact
 at that size. DuckDB's own `vss` HNSW is not used: it built 10x slower than
-FAISS here (DESIGN.md, "Stack facts").
+FAISS here (docs/ARCHITECTURE.md, "Stack facts").
 
 Files: `lake/embeddings/<target>.<version>.faiss` and `<target>.<version>.ids.parquet`
 (the id of each FAISS label, in label order, with the build parameters in its

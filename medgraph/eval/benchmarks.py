@@ -22,7 +22,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from medgraph.kg.qa import DATASET_OF_TYPE, QaItem, load_mirage
+from medgraph.eval.questions import QaItem, load_mirage
+from medgraph.kg.qa import DATASET_OF_TYPE
 
 PUBMEDQA_OPTIONS = {"A": "yes", "B": "no", "C": "maybe"}
 KINDS = ("kg", "mirage", "pubmedqa", "jsonl")

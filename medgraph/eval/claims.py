@@ -1,4 +1,4 @@
-"""The seed papers' claims (DESIGN.md "The three methods"), each set beside what this platform measured.
+"""The seed papers' claims (docs/ARCHITECTURE.md "The three methods"), each set beside what this platform measured.
 
 One row per claim: what the paper says, the platform's value with its 95% CI
 and n, and a verdict. A directional claim *holds* when the CI lies on the
@@ -195,7 +195,7 @@ def _early_stop_claim(summaries: Sequence[Mapping[str, object]], comparisons: Se
 def seed_claims(summaries: Sequence[Mapping[str, object]], results: Sequence[Mapping[str, object]],
                 comparisons: Sequence[Comparison], gsrm_items: Sequence[Mapping[str, object]],
                 graph_r1_policy: str | None = None) -> list[Claim]:
-    """Every claim of DESIGN.md's method specifications beside the platform's measurement."""
+    """Every claim of docs/ARCHITECTURE.md's method specifications beside the platform's measurement."""
     claims = gsrm_claims(gsrm_items)
     for ablation, seed in (("a2rag-no-awc", "removing AWC lowers accuracy"),
                            ("a2rag-no-gsrm", "removing GSRM lowers accuracy"),

@@ -1,6 +1,6 @@
 """Run methods on a benchmark, summarize them honestly, and store results and traces as tables.
 
-Metrics follow DESIGN.md "Evaluation protocol": accuracy with its binomial
+Metrics follow docs/ARCHITECTURE.md "Evaluation protocol": accuracy with its binomial
 standard error; an unparseable answer counts as wrong and is reported as the
 parse-failure rate, and an answer reply cut at its token budget (asked once
 more for the answer alone) as the truncation rate; evidence recall (the share

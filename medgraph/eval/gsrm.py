@@ -23,8 +23,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
-import tempfile
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
@@ -32,7 +30,8 @@ from pathlib import Path
 
 import numpy as np
 
-from medgraph.kg.qa import QaItem
+from medgraph.eval.questions import QaItem
+from medgraph.files import write_atomically
 from medgraph.methods.a2rag import A2RagConfig, gsrm_refine
 from medgraph.methods.common import gold_pairs
 from medgraph.methods.tools import KnowledgeTools
@@ -255,16 +254,7 @@ def write_gsrm_params(home: Path, choice: GsrmChoice, sweep: GsrmSweep) -> Path:
                "max_triples_per_relation": sweep.max_triples_per_relation,
                "points": [asdict(p) for p in sweep.points], "seconds": round(sweep.seconds, 1),
                "triples_encoded": sweep.triples_encoded}
-    path.parent.mkdir(parents=True, exist_ok=True)
-    handle, staging = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(handle, "w", encoding="utf-8") as out:
-            json.dump(payload, out, indent=2)
-        os.replace(staging, path)
-    except BaseException:
-        Path(staging).unlink(missing_ok=True)
-        raise
-    return path
+    return write_atomically(path, json.dumps(payload, indent=2))
 
 
 def read_gsrm_params(home: Path) -> dict[str, object] | None:

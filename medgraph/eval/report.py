@@ -13,7 +13,6 @@ import html
 import io
 import json
 import math
-import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,6 +20,7 @@ from pathlib import Path
 from medgraph.eval.claims import Claim
 from medgraph.eval.paired import Comparison
 from medgraph.eval.stats import SEPARABLE_CI_WIDTH
+from medgraph.files import write_atomically
 from medgraph.storage import Warehouse
 
 SUMMARY_SUFFIX = "_summary"
@@ -406,17 +406,15 @@ def build_report(data: ReportData, out_dir: Path) -> dict[str, Path]:
         page.append(f"<h2>{html.escape(title)}</h2>")
         if png:
             image = out_dir / f"figure_{number}.png"
-            image.write_bytes(base64.b64decode(png))
+            write_atomically(image, base64.b64decode(png))
             markdown += [f"![{title}]({image.name})", ""]
             page.append(f"<img alt='{html.escape(title)}' src='data:image/png;base64,{png}'>")
         markdown += [md, ""]
         page.append(tab)
     page.append("</body></html>")
     paths = {"markdown": out_dir / "report.md", "html": out_dir / "report.html"}
-    for path, text in ((paths["markdown"], "\n".join(markdown)), (paths["html"], "\n".join(page))):
-        staging = path.with_name(f".{path.name}.tmp")
-        staging.write_text(text, encoding="utf-8")
-        os.replace(staging, path)
+    write_atomically(paths["markdown"], "\n".join(markdown))
+    write_atomically(paths["html"], "\n".join(page))
     return paths
 
 

@@ -1,6 +1,6 @@
 """HIIM graph tokens: retrieved triples -> GAT triple vectors -> W_proj -> the LLM's input-embedding space.
 
-A2RAG's HIIM (DESIGN.md) places one soft token per retrieved triple after the
+A2RAG's HIIM (docs/ARCHITECTURE.md) places one soft token per retrieved triple after the
 text of the prompt, z = GNN([emb(h); emb(r); emb(t)]) projected by W_proj. The
 GAT is the pretrained champion (frozen); W_proj is trained here with the LLM
 frozen too, by the likelihood of the gold answer given exactly what HIIM sees
@@ -34,23 +34,21 @@ from torch import Tensor, nn
 from tqdm.auto import tqdm
 
 from medgraph.embed.tables import read_embeddings
+from medgraph.eval.questions import QaItem
 from medgraph.gnn.model import GatModel
 from medgraph.kg.graph import KnowledgeGraph, Triple
-from medgraph.kg.qa import QaItem
 from medgraph.llm.base import ChatModel, Message
 from medgraph.llm.hf import autocast
 from medgraph.methods.a2rag import A2RagConfig, answer_conversation, gsrm_refine
 from medgraph.s3 import S3Lake
-from medgraph.storage import Lake, Warehouse, open_warehouse
-from medgraph.tracking import MODEL_NAMES, Gate
+from medgraph.storage import Lake, Warehouse
+from medgraph.tracking import HIIM_PROJECTOR_MODEL, Baseline, Tracking
 
 if TYPE_CHECKING:
     from medgraph.methods.tools import KnowledgeTools
 
 log = logging.getLogger(__name__)
 
-PROJECTOR_MODEL_NAME = MODEL_NAMES["hiim_projector"]
-PROJECTOR_GATE = Gate("valid_answer_nll", higher_is_better=False)
 TEXT_ONLY_BASELINE = "A2RAG text-only answer (same prompt and triples, no graph tokens)"
 
 
@@ -357,35 +355,46 @@ def train_projector(llm: ChatModel, gat: GatModel, features: NodeFeatures, train
                            {"train": len(train), "valid": len(valid)})
 
 
+def text_only_baseline(result: ProjectorResult) -> Baseline:
+    """The projector gate's baseline: A2RAG's text-only answer on the same validation questions and triples."""
+    return Baseline(TEXT_ONLY_BASELINE, {"valid_answer_nll": result.metrics["valid_answer_nll_text_only"]})
+
+
+def log_projector_result(tracking: Tracking, result: ProjectorResult, llm_name: str, gat_model_uri: str) -> str:
+    """Log a trained projector in the active run (metrics, history and example counts, the model with the
+    LLM and GAT it pairs with); returns the logged model's URI."""
+    import mlflow
+
+    result.projector.gat_model_uri = gat_model_uri
+    mlflow.log_metrics(result.metrics)
+    mlflow.log_dict({"history": result.history, "examples": result.examples}, "training.json")
+    return tracking.log_torch_model(result.projector, metadata={"llm": llm_name, "gat_model_uri": gat_model_uri})
+
+
 # --- loading the registered pair --------------------------------------------------------------------------
 
 
-def load_champion_graph_tokenizer(llm: ChatModel, warehouse: Warehouse | None = None,
-                                  tracking_uri: str | None = None) -> GraphTokenizer | None:
+def load_champion_graph_tokenizer(llm: ChatModel, warehouse: Warehouse,
+                                  tracking: Tracking) -> GraphTokenizer | None:
     """The champion projector and the GAT it was trained with, for `llm`; None (with the reason
     logged) when none is registered, or it was trained for another LLM, or `llm` takes no graph tokens."""
     import mlflow
 
-    from medgraph.settings import load_settings
-    from medgraph.tracking import Tracking
-
     if not llm.supports_graph_tokens:
         log.info("HIIM off: %s takes text only", llm.name)
         return None
-    settings = load_settings()
-    tracking_uri = tracking_uri or settings.mlflow_tracking_uri
+    tracking_uri = tracking.tracking_uri
     if tracking_uri.startswith("sqlite:///") and not Path(tracking_uri.removeprefix("sqlite:///")).exists():
         log.info("HIIM off: no MLflow database at %s", tracking_uri)  # and do not create one by asking
         return None
-    tracking = Tracking(tracking_uri, str(settings.home / "artifacts"))
-    if tracking.champion_version(PROJECTOR_MODEL_NAME) is None:
-        log.info("HIIM off: no %s@champion in %s", PROJECTOR_MODEL_NAME, tracking.tracking_uri)
+    name = HIIM_PROJECTOR_MODEL.name
+    if tracking.champion_version(name) is None:
+        log.info("HIIM off: no %s@champion in %s", name, tracking_uri)
         return None
-    mlflow.set_tracking_uri(tracking.tracking_uri)
-    projector = mlflow.pytorch.load_model(tracking.model_uri(PROJECTOR_MODEL_NAME), map_location="cpu")
+    mlflow.set_tracking_uri(tracking_uri)
+    projector = mlflow.pytorch.load_model(tracking.model_uri(name), map_location="cpu")
     if projector.llm_name != llm.name or projector.proj.out_features != llm.hidden_size:
         log.info("HIIM off: the champion projector speaks to %s, not %s", projector.llm_name, llm.name)
         return None
     gat = mlflow.pytorch.load_model(projector.gat_model_uri, map_location="cpu")
-    warehouse = warehouse or open_warehouse(settings)
     return GraphTokenizer(gat, projector.to(llm.model.device), NodeFeatures(warehouse.lake, gat.feature_table))

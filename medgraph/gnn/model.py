@@ -1,7 +1,7 @@
 """The GAT encoder of HIIM and its triple-classification head.
 
 A2RAG's HIIM turns retrieved triples into graph tokens z = GNN([emb(h); emb(r); emb(t)])
-(DESIGN.md "The three methods"). The GNN is a 2-layer GAT over node features
+(docs/ARCHITECTURE.md "The three methods"). The GNN is a 2-layer GAT over node features
 (384-d MiniLM node embeddings, projected to `hidden`) whose attention also sees
 the relation of every edge (a small embedding: a per-edge linear map of width
 `hidden` doubles the cost of a step). It is pretrained by triple

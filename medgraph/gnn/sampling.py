@@ -1,7 +1,7 @@
 """Fanout neighbour sampling over a CSR graph, with plain torch ops.
 
 PyG's NeighborLoader needs `pyg-lib` or `torch-sparse`, and neither installs on
-our machines (DESIGN.md "Stack facts"). A 2-layer GAT over a full UMLS release
+our machines (docs/ARCHITECTURE.md "Stack facts"). A 2-layer GAT over a full UMLS release
 (~7M nodes, ~50M edges) cannot run full-batch, so every mini-batch takes its
 seed nodes, samples up to k neighbours per node per hop without replacement,
 and relabels the visited nodes into a small local graph. All work is tensor

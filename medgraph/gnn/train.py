@@ -22,9 +22,9 @@ checkpoint.
 from __future__ import annotations
 
 import copy
+import io
 import logging
 import math
-import os
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
@@ -37,6 +37,7 @@ from torch import Tensor
 from tqdm.auto import tqdm
 
 from medgraph.embed.tables import read_embeddings
+from medgraph.files import write_atomically
 from medgraph.gnn.model import GatModel
 from medgraph.gnn.sampling import CsrGraph, NeighborSampler
 from medgraph.kg.csr import GraphIndex, build_graph_index
@@ -86,15 +87,15 @@ class GatConfig:
     @classmethod
     def profile(cls, name: str, **overrides: object) -> GatConfig:
         """`tiny` (seconds on a CPU, tests), `demo` (minutes on a CPU), `full` (a UMLS release on a GPU)."""
-        if name not in PROFILES:
-            raise ValueError(f"unknown GAT profile {name!r}: one of {', '.join(PROFILES)}")
-        return replace(PROFILES[name], **overrides)
+        if name not in GAT_PROFILES:
+            raise ValueError(f"unknown GAT profile {name!r}: one of {', '.join(GAT_PROFILES)}")
+        return replace(GAT_PROFILES[name], **overrides)
 
     def as_dict(self) -> dict[str, object]:
         return asdict(self)
 
 
-PROFILES: dict[str, GatConfig] = {
+GAT_PROFILES: dict[str, GatConfig] = {
     "tiny": GatConfig(hidden=64, heads=4, fanouts=(10, 10), lr=3e-3, batch_size=256, epochs=6, patience=3,
                       eval_batch_size=256, log_every=10),
     "demo": GatConfig(hidden=128, heads=4, fanouts=(10, 10), lr=2e-3, batch_size=1024, epochs=3,
@@ -404,13 +405,12 @@ def _save_checkpoint(directory: Path, state: dict[str, object], model: GatModel,
     device = generator.device
     rng = {"generator": generator.get_state(), "torch": torch.get_rng_state(),
            "cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None}
-    directory.mkdir(parents=True, exist_ok=True)
-    staging = directory / "last.pt.tmp"
+    checkpoint = io.BytesIO()  # the GAT's checkpoint is small: serialize in memory, then one atomic write
     torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
                 "scaler": scaler.state_dict(), "rng": rng, "state": state, "config": _jsonable(config),
                 "split_seed": data.split_seed, "graph_version": data.graph_version,
-                "relations": list(data.relations)}, staging)
-    os.replace(staging, directory / "last.pt")
+                "relations": list(data.relations)}, checkpoint)
+    write_atomically(directory / "last.pt", checkpoint.getvalue())
 
 
 def _load_checkpoint(path: Path, model: GatModel, optimizer: torch.optim.Optimizer,

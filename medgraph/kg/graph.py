@@ -70,7 +70,7 @@ class KnowledgeGraph:
     @property
     def con(self) -> duckdb.DuckDBPyConnection:
         if self._con is None:
-            self._con = self.warehouse.open(read_only=True)
+            self._con = self.warehouse.open_connection(read_only=True)
         return self._con
 
     def close(self) -> None:

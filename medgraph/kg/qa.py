@@ -21,9 +21,9 @@ Question types (dataset names in the MIRAGE files in brackets):
                              manifestation and is associated with the gene <gene>?"
 Short answers keep every correct concept's names and synonyms for F1/EM scoring.
 
-Relation names are data: `RELATION_PHRASES` words the relations we know (those
-of the sample release and a few common UMLS RELAs) and anything else gets a
-generic phrasing from its name. Relations that a question words the same way
+Relation names are data: `medgraph.kg.relation_phrases` words the relations we
+know (those of the sample release and a few common UMLS RELAs) and anything else
+gets a generic phrasing from its name. Relations that a question words the same way
 (disease_has_associated_gene and phenotype_has_associated_gene both read "Which
 gene is associated with X?") share their answers, and a statement is asked once
 whichever direction it was found in. Questions about hubs (many neighbours) and
@@ -43,6 +43,9 @@ hash of what a question asks (type, relations, question entities; the object
 too for yes/no), so it is stable across seeds; a question's split is stable
 whenever its component is (a seed changes which questions are sampled, and so
 can merge components).
+
+The items are published as `qa.qa_items` and as MIRAGE files of
+`medgraph.eval.questions.QaItem` (`KgQaItem.as_question`), one per split.
 """
 
 from __future__ import annotations
@@ -50,10 +53,8 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 import random
 import time
-import uuid
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -62,7 +63,9 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from medgraph.eval.questions import QaItem, write_mirage
 from medgraph.kg.graph import NORMALIZE_SQL
+from medgraph.kg.relation_phrases import UNINFORMATIVE_RELATIONS, relation_phrases
 from medgraph.storage import Warehouse
 
 log = logging.getLogger(__name__)
@@ -76,145 +79,6 @@ OPTION_LETTERS = ("A", "B", "C", "D")
 YES_NO_OPTIONS = {"A": "yes", "B": "no"}
 
 Edge = tuple[str, str, str]  # (src_cui, relation, dst_cui)
-
-
-# --------------------------------------------------------------------------- relation phrasing
-
-
-@dataclass(frozen=True)
-class RelationPhrases:
-    """English for an edge `subject -relation-> object`; `{subject}`/`{object}` are concept names.
-
-    `via` names the objects as a noun phrase so that a second hop can be asked
-    about them ("a drug that may treat X"); `clause` is a predicate about the
-    subject, so that two constraints can be joined ("may be treated with X").
-    """
-
-    mc: str  # asks for the object: "Which of the following may treat {subject}?"
-    short: str  # asks for the object, open-ended; never starts with {subject}
-    yesno: str  # asks whether the edge holds
-    via: str
-    clause: str
-    described: str = ""  # `short` for a subject that is a description, not a name ("the gene {subject}")
-
-    def short_about(self, subject: str, described: bool = False) -> str:
-        return self.form("described" if described else "short").format(subject=subject)
-
-    def form(self, name: str) -> str:
-        """One phrase by field name; "described" falls back to `short`."""
-        return (self.described or self.short) if name == "described" else getattr(self, name)
-
-
-def _phrases(mc: str, short: str, yesno: str, via: str, clause: str, described: str = "") -> RelationPhrases:
-    return RelationPhrases(mc, short, yesno, via, clause, described)
-
-
-RELATION_PHRASES: dict[str, RelationPhrases] = {
-    # Hierarchy: `isa` is a RELA; child_of/parent_of are the labels of a bare CHD/PAR.
-    "isa": _phrases("{subject} is a kind of which of the following?", "What is {subject} a kind of?",
-                    "Is {subject} a kind of {object}?", "a broader category of {subject}", "is a kind of {object}",
-                    described="What broader category does {subject} belong to?"),
-    "inverse_isa": _phrases("Which of the following is a kind of {subject}?", "What is a specific kind of {subject}?",
-                            "Is {object} a kind of {subject}?", "a specific kind of {subject}",
-                            "has {object} as a specific kind"),
-    "has_manifestation": _phrases(
-        "Which of the following is a manifestation of {subject}?", "What is a manifestation of {subject}?",
-        "Is {object} a manifestation of {subject}?", "a manifestation of {subject}",
-        "has {object} as a manifestation"),
-    "manifestation_of": _phrases(
-        "{subject} is a manifestation of which of the following?",
-        "What condition has {subject} as a manifestation?", "Is {subject} a manifestation of {object}?",
-        "a condition with {subject} as a manifestation", "is a manifestation of {object}"),
-    "gene_associated_with_disease": _phrases(
-        "Which of the following is associated with the gene {subject}?",
-        "Which disease is associated with the gene {subject}?", "Is the gene {subject} associated with {object}?",
-        "a disease associated with the gene {subject}", "is a gene associated with {object}",
-        described="Which disease is associated with {subject}?"),
-    "disease_has_associated_gene": _phrases(
-        "Which of the following genes is associated with {subject}?", "Which gene is associated with {subject}?",
-        "Is the gene {object} associated with {subject}?", "a gene associated with {subject}",
-        "is associated with the gene {object}"),
-    "gene_associated_with_phenotype": _phrases(
-        "Which of the following is associated with the gene {subject}?",
-        "Which phenotype is associated with the gene {subject}?", "Is the gene {subject} associated with {object}?",
-        "a phenotype associated with the gene {subject}", "is a gene associated with {object}",
-        described="Which phenotype is associated with {subject}?"),
-    "phenotype_has_associated_gene": _phrases(
-        "Which of the following genes is associated with {subject}?", "Which gene is associated with {subject}?",
-        "Is the gene {object} associated with {subject}?", "a gene associated with {subject}",
-        "is associated with the gene {object}"),
-    "may_treat": _phrases(
-        "Which of the following may be treated with {subject}?", "What condition may {subject} treat?",
-        "May {subject} be used to treat {object}?", "a condition that {subject} may treat", "may treat {object}"),
-    "may_be_treated_by": _phrases(
-        "Which of the following may treat {subject}?", "Which drug may treat {subject}?",
-        "May {object} be used to treat {subject}?", "a drug that may treat {subject}",
-        "may be treated with {object}"),
-    "may_prevent": _phrases(
-        "Which of the following may be prevented with {subject}?", "What condition may {subject} prevent?",
-        "May {subject} be used to prevent {object}?", "a condition that {subject} may prevent",
-        "may prevent {object}"),
-    "may_be_prevented_by": _phrases(
-        "Which of the following may prevent {subject}?", "Which drug may prevent {subject}?",
-        "May {object} be used to prevent {subject}?", "a drug that may prevent {subject}",
-        "may be prevented with {object}"),
-    "has_mechanism_of_action": _phrases(
-        "Which of the following is the mechanism of action of {subject}?",
-        "What is the mechanism of action of {subject}?", "Is {object} a mechanism of action of {subject}?",
-        "the mechanism of action of {subject}", "has the mechanism of action {object}"),
-    "mechanism_of_action_of": _phrases(
-        "Which of the following has the mechanism of action {subject}?",
-        "Which drug has the mechanism of action {subject}?", "Does {object} have the mechanism of action {subject}?",
-        "a drug with the mechanism of action {subject}", "is the mechanism of action of {object}"),
-    "contraindicated_with_disease": _phrases(
-        "In which of the following is {subject} contraindicated?", "In which condition is {subject} contraindicated?",
-        "Is {subject} contraindicated in {object}?", "a condition in which {subject} is contraindicated",
-        "is contraindicated in {object}"),
-    "has_contraindicated_drug": _phrases(
-        "Which of the following is contraindicated in {subject}?", "Which drug is contraindicated in {subject}?",
-        "Is {object} contraindicated in {subject}?", "a drug contraindicated in {subject}",
-        "is a condition in which {object} is contraindicated"),
-    # Common RELAs of a real release.
-    "has_finding_site": _phrases(
-        "Which of the following is the finding site of {subject}?", "What is the finding site of {subject}?",
-        "Is {object} the finding site of {subject}?", "the finding site of {subject}",
-        "has the finding site {object}"),
-    "finding_site_of": _phrases(
-        "Which of the following has {subject} as its finding site?",
-        "What condition has {subject} as its finding site?", "Is {subject} the finding site of {object}?",
-        "a condition with {subject} as its finding site", "is the finding site of {object}"),
-    "has_causative_agent": _phrases(
-        "Which of the following is a causative agent of {subject}?", "What is a causative agent of {subject}?",
-        "Is {object} a causative agent of {subject}?", "a causative agent of {subject}",
-        "has the causative agent {object}"),
-    "causative_agent_of": _phrases(
-        "Which of the following is caused by {subject}?", "What is caused by {subject}?",
-        "Is {subject} a causative agent of {object}?", "a condition caused by {subject}",
-        "is a causative agent of {object}"),
-}
-for _child, _parent in (("child_of", "isa"), ("parent_of", "inverse_isa")):
-    RELATION_PHRASES[_child] = RELATION_PHRASES[_parent]
-
-# Relations that say too little to ask about (labels of the coarse RELs without a RELA).
-UNINFORMATIVE_RELATIONS = frozenset({
-    "related_to", "sibling_of", "possibly_synonymous_with", "related_unspecified", "not_related", "deleted",
-    "allowed_qualifier_of", "can_be_qualified_by", "synonym_of", "similar_to",
-})
-
-
-def relation_phrases(relation: str) -> RelationPhrases:
-    """The phrasing of a known relation, else a generic one built from its name."""
-    known = RELATION_PHRASES.get(relation)
-    if known is not None:
-        return known
-    words = relation.replace("_", " ").strip().replace("{", "{{").replace("}", "}}")
-    return _phrases(
-        f'Which of the following completes the statement "{{subject}} {words} ___"?',
-        f'What completes the statement "{{subject}} {words} ___"?',
-        f"Is it true that {{subject}} {words} {{object}}?",
-        f"what {{subject}} {words}",
-        f"{words} {{object}}",
-    )
 
 
 @dataclass(frozen=True)
@@ -783,6 +647,21 @@ class KgQaItem:
     relations: tuple[str, ...]  # the relations asked about: path order; intersections answer -> each entity
     hops: int
 
+    def as_question(self) -> QaItem:
+        """This item as its MIRAGE entry carries it: acceptable answers for short answers only, and beyond
+        MIRAGE's fields (its readers ignore them) what retrieval recall is measured against."""
+        return QaItem(
+            dataset=self.dataset,
+            qid=self.qid,
+            question=self.question,
+            options=self.options,
+            answer=self.answer,
+            acceptable_answers=() if self.options else self.acceptable_answers,
+            extra={"question_type": self.question_type, "hops": self.hops, "gold_path": list(self.gold_path),
+                   "gold_pairs": [list(pair) for pair in self.gold_pairs], "answer_cuis": list(self.answer_cuis),
+                   "seed_cuis": list(self.seed_cuis)},
+        )
+
 
 def question_id(question_type: str, fact: Sequence[str]) -> str:
     """A qid that depends only on the fact asked about, so it is stable across seeds and runs."""
@@ -944,43 +823,13 @@ def _publish_table(items: list[KgQaItem], warehouse: Warehouse) -> Path:
     return final
 
 
-def _mirage_entry(item: KgQaItem) -> dict[str, object]:
-    entry: dict[str, object] = {"question": item.question, "options": item.options, "answer": item.answer}
-    if not item.options:  # short answer: everything a scorer may accept
-        entry["acceptable_answers"] = list(item.acceptable_answers)
-    # Beyond MIRAGE's fields (its readers ignore them): what retrieval recall is measured against.
-    entry.update({"question_type": item.question_type, "hops": item.hops, "gold_path": list(item.gold_path),
-                  "gold_pairs": [list(pair) for pair in item.gold_pairs], "answer_cuis": list(item.answer_cuis),
-                  "seed_cuis": list(item.seed_cuis)})
-    return entry
-
-
-def _write_json_atomically(path: Path, payload: object) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    staging = path.parent / f".{path.name}.{uuid.uuid4().hex[:12]}.tmp"
-    try:
-        with open(staging, "w", encoding="utf-8") as handle:
-            json.dump(payload, handle, ensure_ascii=False, indent=1)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(staging, path)
-    except BaseException:
-        staging.unlink(missing_ok=True)
-        raise
-
-
-def write_mirage_json(items: Sequence[KgQaItem], out_dir: str | Path) -> dict[str, Path]:
-    """One MIRAGE file per split, `<out_dir>/qa_items.<split>.json`:
-    `{dataset: {qid: {question, options, answer[, acceptable_answers], question_type, hops, gold_path}}}`."""
-    paths = {}
-    for split in SPLIT_NAMES:
-        payload: dict[str, dict[str, object]] = {}
-        for item in items:
-            if item.split == split:
-                payload.setdefault(item.dataset, {})[item.qid] = _mirage_entry(item)
-        paths[split] = Path(out_dir) / f"qa_items.{split}.json"
-        _write_json_atomically(paths[split], dict(sorted(payload.items())))
-    return paths
+def _write_mirage_splits(items: Sequence[KgQaItem], out_dir: str | Path) -> dict[str, Path]:
+    """One MIRAGE file per split, `<out_dir>/qa_items.<split>.json`, datasets in name order:
+    `{dataset: {qid: {question, options, answer[, acceptable_answers], question_type, hops, gold_path, ...}}}`."""
+    by_dataset = sorted(items, key=lambda item: item.dataset)  # stable: each dataset keeps the items' order
+    return {split: write_mirage(Path(out_dir) / f"qa_items.{split}.json",
+                                [item.as_question() for item in by_dataset if item.split == split])
+            for split in SPLIT_NAMES}
 
 
 @dataclass
@@ -1094,7 +943,7 @@ def generate_qa_items(
         raise AssertionError(f"{len(leaked)} gold pairs in several splits, e.g. {next(iter(leaked.items()))}")
     component_sizes = Counter(components)
     parquet = _publish_table(items, warehouse)
-    json_paths = write_mirage_json(items, out_dir)
+    json_paths = _write_mirage_splits(items, out_dir)
 
     per_type_split: dict[str, dict[str, int]] = {t: dict.fromkeys(SPLIT_NAMES, 0) for t in QUESTION_TYPES}
     for item in items:
@@ -1118,113 +967,3 @@ def generate_qa_items(
     )
     log.info("qa items: %d (%s) in %.1fs", stats.items, stats.per_type, stats.seconds)
     return stats
-
-
-# --------------------------------------------------------------------------- reading MIRAGE files
-
-
-@dataclass(frozen=True)
-class QaItem:
-    """One benchmark question from a MIRAGE-format file (ours or MIRAGE's own)."""
-
-    dataset: str
-    qid: str
-    question: str
-    options: dict[str, str]  # {} for a short-answer question
-    answer: str  # an option letter, or the answer text for a short-answer question
-    acceptable_answers: tuple[str, ...] = ()
-    pmids: tuple[str, ...] = ()
-    extra: dict[str, object] = field(default_factory=dict)  # any other field of the entry
-
-    @property
-    def is_multiple_choice(self) -> bool:
-        return bool(self.options)
-
-    @property
-    def answer_text(self) -> str:
-        return self.options.get(self.answer, self.answer)
-
-    @property
-    def gold_answers(self) -> tuple[str, ...]:
-        """The strings a free-text answer is scored against."""
-        return self.acceptable_answers or (self.answer_text,)
-
-
-def write_mirage(path: str | Path, items: Sequence[QaItem]) -> Path:
-    """Write QaItems as a MIRAGE-format file (atomically), the inverse of `load_mirage`: every field survives,
-    `extra` included (KG items' `gold_path` is what GSRM recall is measured against)."""
-    payload: dict[str, dict[str, object]] = {}
-    for item in items:
-        entry: dict[str, object] = {"question": item.question, "options": item.options, "answer": item.answer}
-        if item.acceptable_answers:
-            entry["acceptable_answers"] = list(item.acceptable_answers)
-        if item.pmids:
-            entry["PMID"] = list(item.pmids)
-        entry.update({key: value for key, value in item.extra.items() if key not in entry})
-        payload.setdefault(item.dataset, {})[item.qid] = entry
-    _write_json_atomically(Path(path), payload)
-    return Path(path)
-
-
-def _read_json_file(path: Path) -> object:
-    """JSON from `path`; bytes that are not UTF-8 and syntax errors (a truncated file) name the file and line."""
-    raw = path.read_bytes()
-    try:
-        text = raw.decode("utf-8-sig")
-    except UnicodeDecodeError as error:
-        line = raw.count(b"\n", 0, error.start) + 1
-        raise ValueError(f"{path}:{line}: not UTF-8 (byte {raw[error.start]:#04x}); a MIRAGE file is UTF-8 JSON") from None
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError as error:
-        raise ValueError(f"{path}:{error.lineno}: not valid JSON ({error.msg} at column {error.colno}"
-                         f"{'; the file is truncated' if error.pos >= len(text.rstrip()) else ''})") from None
-
-
-def load_mirage(path: str | Path, datasets: Iterable[str] | None = None) -> list[QaItem]:
-    """Read `{dataset: {qid: {question, options, answer, ...}}}` into QaItems, in file order.
-
-    `datasets` selects some of the file's datasets; naming one it lacks is an error.
-    """
-    path = Path(path)
-    data = _read_json_file(path)
-    if not isinstance(data, dict):
-        raise TypeError(f"{path}: expected an object of datasets, found {type(data).__name__}")
-    wanted = list(data) if datasets is None else list(datasets)
-    missing = [d for d in wanted if d not in data]
-    if missing:
-        raise ValueError(f"{path}: no dataset(s) {missing}; the file has {sorted(data)}")
-    items = []
-    for dataset in wanted:
-        if not isinstance(data[dataset], dict):
-            raise TypeError(f"{path}: dataset {dataset!r}: expected an object of question id -> item, "
-                             f"found {type(data[dataset]).__name__}")
-        for qid, entry in data[dataset].items():
-            # Every malformed shape names the file and the question (MIRAGE items: question, options, answer).
-            if not isinstance(entry, dict):
-                raise TypeError(f"{path}: {dataset}/{qid}: expected an object with question, options and answer, "
-                                 f"found {type(entry).__name__}")
-            lacking = [key for key in ("question", "options", "answer") if key not in entry]
-            if lacking:
-                raise ValueError(f"{path}: {dataset}/{qid} lacks {', '.join(lacking)} "
-                                 f"(a MIRAGE item has question, options and answer; options may be {{}})")
-            if not isinstance(entry["options"], dict):
-                raise TypeError(f"{path}: {dataset}/{qid}: options must be an object of letter -> text, "
-                                 f"found {type(entry['options']).__name__}")
-            options = {str(k): str(v) for k, v in entry["options"].items()}
-            answer = str(entry["answer"])
-            if options and answer not in options:
-                raise ValueError(f"{path}: {dataset}/{qid} answer {answer!r} is not one of {sorted(options)}")
-            extra = {k: v for k, v in entry.items()
-                     if k not in ("question", "options", "answer", "acceptable_answers", "PMID")}
-            items.append(QaItem(
-                dataset=dataset,
-                qid=str(qid),
-                question=str(entry["question"]),
-                options=options,
-                answer=answer,
-                acceptable_answers=tuple(str(a) for a in entry.get("acceptable_answers") or ()),
-                pmids=tuple(str(p) for p in entry.get("PMID") or ()),
-                extra=extra,
-            ))
-    return items

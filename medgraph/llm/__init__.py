@@ -1,7 +1,7 @@
 """Chat LLM backends behind one interface (`ChatModel`), chosen by a spec string.
 
-`load_llm()` reads `MEDGRAPH_LLM` (default `smollm2-135m-instruct`) and returns
-a backend; every method, baseline and trainer talks to the result the same
+`load_llm(spec, home=...)` (the spec is settings' `MEDGRAPH_LLM`, default `smollm2-135m-instruct`)
+returns a backend; every method, baseline and trainer talks to the result the same
 way. Spec forms:
 
     smollm2-135m-instruct             a built-in model (from PyPI packages; see models.py)
@@ -119,20 +119,14 @@ def parse_llm_spec(spec: str) -> LlmSpec:
                      f"Accepted forms: {SPEC_FORMS}")
 
 
-def load_llm(spec: str | None = None, *, home: Path | None = None, device: str = "auto", dtype: str | None = None,
+def load_llm(spec: str, *, home: Path | None = None, device: str = "auto", dtype: str | None = None,
              **options: object) -> ChatModel:
-    """The chat model a spec names (default: settings' `MEDGRAPH_LLM`), ready to generate.
+    """The chat model `spec` names (callers at the edge pass settings' `MEDGRAPH_LLM`), ready to generate.
 
-    `home` (default MEDGRAPH_HOME) holds converted checkpoints; `device`/`dtype` apply to
-    in-process backends; `options` go to the backend's constructor (e.g. max_batch_size,
-    concurrency, timeout_s, region, n_ctx).
+    `home` (MEDGRAPH_HOME) holds converted checkpoints: built-in models and GGUF files need it;
+    `device`/`dtype` apply to in-process backends; `options` go to the backend's constructor (e.g.
+    max_batch_size, concurrency, timeout_s, region, n_ctx).
     """
-    from medgraph.settings import load_settings
-
-    if spec is None or home is None:
-        settings = load_settings()
-        spec = settings.llm if spec is None else spec
-        home = settings.home if home is None else home
     parsed = parse_llm_spec(spec)
     if parsed.kind == "openai":
         from medgraph.llm.openai_http import OpenAIChatModel
@@ -147,16 +141,23 @@ def load_llm(spec: str | None = None, *, home: Path | None = None, device: str =
         from medgraph.llm.models import builtin_gguf
 
         import_llama_cpp()  # the missing-extra error before any file work
-        gguf = builtin_gguf(parsed.target, home) if parsed.target in BUILTIN_MODELS else Path(parsed.target)
+        gguf = builtin_gguf(parsed.target, _home(spec, home)) if parsed.target in BUILTIN_MODELS else Path(parsed.target)
         return LlamaCppChatModel(gguf, name=parsed.name, **options)
 
     from medgraph.llm.hf import TransformersChatModel
     from medgraph.llm.models import builtin_model_dir, gguf_model_dir
 
     if parsed.kind == "builtin":
-        model_dir = builtin_model_dir(parsed.target, home)
+        model_dir = builtin_model_dir(parsed.target, _home(spec, home))
     elif parsed.kind == "gguf":
-        model_dir = gguf_model_dir(Path(parsed.target), home)
+        model_dir = gguf_model_dir(Path(parsed.target), _home(spec, home))
     else:
         model_dir = Path(parsed.target)
     return TransformersChatModel(model_dir, name=parsed.name, device=device, dtype=dtype, **options)
+
+
+def _home(spec: str, home: Path | None) -> Path:
+    if home is None:
+        raise ValueError(f"LLM {spec!r} is converted once into a checkpoint under MEDGRAPH_HOME: "
+                         "pass home= (e.g. load_settings().home)")
+    return Path(home)

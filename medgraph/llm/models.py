@@ -14,19 +14,17 @@ installed with `pip install --no-deps`.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import importlib.util
 import json
 import os
-import shutil
-import tempfile
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 from filelock import FileLock
+
+from medgraph.files import build_directory_once, staging_path
 
 MODELS_DIR = "models"  # under MEDGRAPH_HOME
 _SOURCE_FILE = "medgraph-source.json"  # written into every converted checkpoint: where it came from
@@ -165,15 +163,15 @@ def builtin_gguf(name: str, home: Path) -> Path:
 def _assemble(model: BuiltinModel, parts: list[Path], target: Path) -> None:
     """Concatenate the chunks into a temporary file, check its sha256, then move it into place."""
     digest = hashlib.sha256()
-    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
+    tmp = staging_path(target)
     try:
-        with os.fdopen(fd, "wb") as out:
+        with open(tmp, "xb") as out:  # streamed: the model is several GB
             for part in parts:
                 with open(part, "rb") as handle:
                     while block := handle.read(16 * _CHUNK):
                         digest.update(block)
                         out.write(block)
-        os.chmod(tmp, 0o644)  # mkstemp makes it private; the cache may be shared by a team
+        tmp.chmod(0o644)  # the cache may be shared by a team, whatever the umask
         if digest.hexdigest() != model.sha256:
             raise ModelIntegrityError(
                 f"LLM {model.name!r}: the chunks assemble to sha256 {digest.hexdigest()}, expected {model.sha256}; "
@@ -182,8 +180,7 @@ def _assemble(model: BuiltinModel, parts: list[Path], target: Path) -> None:
             )
         os.replace(tmp, target)
     finally:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
+        tmp.unlink(missing_ok=True)
 
 
 def _check_builtin_file(model: BuiltinModel, path: Path) -> None:
@@ -191,33 +188,6 @@ def _check_builtin_file(model: BuiltinModel, path: Path) -> None:
     if actual != model.sha256:
         raise ModelIntegrityError(f"LLM {model.name!r}: {path} has sha256 {actual}, expected {model.sha256}; "
                                   f"reinstall with `{model.install} --force-reinstall`")
-
-
-@contextlib.contextmanager
-def atomic_directory(final: Path) -> Iterator[Path | None]:
-    """Build a directory so that `final` appears complete or not at all.
-
-    Yields a fresh temporary directory beside `final` (or None when `final` already
-    exists, e.g. another process finished first); on success it is renamed into place.
-    A file lock keeps concurrent callers from doing the same expensive work twice; the
-    rename tolerates losing a race with a process that does not take the lock.
-    """
-    final.parent.mkdir(parents=True, exist_ok=True)
-    with FileLock(str(final.parent / f".{final.name}.lock")):
-        if final.exists():
-            yield None
-            return
-        tmp = Path(tempfile.mkdtemp(dir=final.parent, prefix=f".{final.name}.", suffix=".tmp"))
-        tmp.chmod(0o755)  # mkdtemp makes it private; the cache may be shared by a team
-        try:
-            yield tmp
-            try:
-                os.replace(tmp, final)
-            except OSError:
-                if not final.exists():  # a real failure, not a lost race
-                    raise
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
 
 
 def convert_gguf(gguf: Path, target: Path, source: dict[str, object] | None = None) -> Path:
@@ -232,7 +202,7 @@ def convert_gguf(gguf: Path, target: Path, source: dict[str, object] | None = No
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    with atomic_directory(target) as tmp:
+    with build_directory_once(target) as tmp:
         if tmp is None:
             return target
         started = time.perf_counter()

@@ -1,4 +1,4 @@
-"""A2RAG: adaptive agentic graph RAG (DESIGN.md "The three methods").
+"""A2RAG: adaptive agentic graph RAG (docs/ARCHITECTURE.md "The three methods").
 
 - AWC, the agent workflow controller: a ReAct loop in which the model picks one
   tool per step from {T_KG, T_Text, T_Final}; which sources a question used
@@ -25,8 +25,8 @@ from collections.abc import Generator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
+from medgraph.eval.questions import QaItem
 from medgraph.kg.graph import Triple
-from medgraph.kg.qa import QaItem
 from medgraph.llm.base import ChatModel, GenerationConfig, Message, assistant, system, user
 from medgraph.methods.agent import Episode, Generate, Request, ToolCall, ToolOutput, answer_call
 from medgraph.methods.common import (
@@ -49,8 +49,9 @@ if TYPE_CHECKING:
 T_KG, T_TEXT, T_FINAL = "T_KG", "T_Text", "T_Final"
 
 
-class GraphTokenizer(Protocol):
-    """HIIM's encoder: triples -> graph tokens (n, llm.hidden_size) in the LLM's input-embedding space."""
+class GraphTokenEncoder(Protocol):
+    """HIIM's encoder, as A2RAG uses it: triples -> graph tokens (n, llm.hidden_size) in the LLM's
+    input-embedding space (implemented by `medgraph.gnn.graph_tokens.GraphTokenizer`)."""
 
     def encode(self, triples: Sequence[Triple]) -> Tensor: ...
 
@@ -274,7 +275,7 @@ class A2Rag:
     name = "a2rag"
 
     def __init__(self, tools: KnowledgeTools, llm: ChatModel, config: A2RagConfig = A2RagConfig(),
-                 graph_tokenizer: GraphTokenizer | None = None):
+                 graph_tokenizer: GraphTokenEncoder | None = None):
         self.tools, self.llm, self.config = tools, llm, config
         self.graph_tokenizer = graph_tokenizer
         self.generation = GenerationConfig(max_new_tokens=config.max_new_tokens)

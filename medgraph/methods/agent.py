@@ -25,7 +25,7 @@ from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from medgraph.kg.qa import QaItem
+from medgraph.eval.questions import QaItem
 from medgraph.llm.base import ChatModel, Completion, Conversation, GenerationConfig, assistant, user
 from medgraph.methods.common import (
     FinalReply,

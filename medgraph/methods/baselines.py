@@ -31,8 +31,8 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from medgraph.eval.questions import QaItem
 from medgraph.kg.graph import Triple
-from medgraph.kg.qa import QaItem
 from medgraph.llm.base import ChatModel, Completion, GenerationConfig, system, user
 from medgraph.methods.agent import Episode, Generate, ToolCall, answer_call
 from medgraph.methods.common import (

@@ -18,8 +18,8 @@ from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 
+from medgraph.eval.questions import QaItem
 from medgraph.kg.graph import Triple
-from medgraph.kg.qa import QaItem
 from medgraph.llm.base import Completion
 
 # --------------------------------------------------------------------------- prompts

@@ -1,4 +1,4 @@
-"""Graph-R1: an agent that explores the chunk-entity hypergraph with tagged actions (DESIGN.md "The three methods").
+"""Graph-R1: an agent that explores the chunk-entity hypergraph with tagged actions (docs/ARCHITECTURE.md "The three methods").
 
 The knowledge hypergraph has two kinds of nodes: KG concepts (CUIs) and text
 chunks of the corpus (`text.corpus_chunks`). Each chunk is a hyperedge over
@@ -47,12 +47,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+from medgraph.eval.questions import QaItem
 from medgraph.kg.graph import Node, Triple
-from medgraph.kg.qa import QaItem
 from medgraph.llm.base import ChatModel, Completion, GenerationConfig, Message, assistant, system, user
 from medgraph.methods.agent import Episode, Generate, ToolCall, complete_cut_answer
 from medgraph.methods.common import EvidenceSeen, Step, finish_result, format_question
-from medgraph.retrieval import Chunk, Retriever
+from medgraph.retrieval import RetrievedChunk, Retriever
 
 ACTIONS = ("search", "traverse", "analyze", "answer")
 TOOL_ACTIONS = ("search", "traverse", "analyze")
@@ -328,7 +328,7 @@ class GraphR1Env:
         return outcomes
 
     def _traverse_concept(self, state: GraphR1State, cui: str, triples: list[Triple], chunk_ids: list[str],
-                          chunks: dict[str, Chunk]) -> _Outcome:
+                          chunks: dict[str, RetrievedChunk]) -> _Outcome:
         shown = _every_relation_first(triples, self.config.traverse_limit)
         lines = [f"{t.src_name} ({t.src_cui}) -{t.relation}-> {t.dst_name} ({t.dst_cui})" for t in shown]
         if len(triples) > len(shown):
@@ -348,7 +348,7 @@ class GraphR1Env:
         return _Outcome("\n".join(lines), retrieved, seen)
 
     def _traverse_chunk(self, state: GraphR1State, chunk_id: str, cuis: list[str],
-                        linked: list[tuple[str, list[str]]], chunks: dict[str, Chunk],
+                        linked: list[tuple[str, list[str]]], chunks: dict[str, RetrievedChunk],
                         names: dict[str, Node]) -> _Outcome:
         alias = state.chunk_alias(chunk_id)
         listed = [c for c in cuis[: self.config.traverse_limit] if c in names]
@@ -469,7 +469,7 @@ def _prefix(text: str, limit: int) -> tuple[str, int | None]:
     return " ".join(cut.split()) + " ...", len(cut)
 
 
-def _snippet(chunk: Chunk, limit: int) -> tuple[str, int | None]:
+def _snippet(chunk: RetrievedChunk, limit: int) -> tuple[str, int | None]:
     """A search hit as listed: the title (unless the text starts with it) and the text's first `limit`
     characters; and how many characters of the text were shown."""
     text, shown_chars = _prefix(chunk.text, limit)

@@ -15,9 +15,9 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from medgraph.kg.qa import QaItem
+from medgraph.eval.questions import QaItem
 from medgraph.llm.base import ChatModel
-from medgraph.methods.a2rag import A2Rag, A2RagConfig, GraphTokenizer
+from medgraph.methods.a2rag import A2Rag, A2RagConfig, GraphTokenEncoder
 from medgraph.methods.agent import Episode, run_lockstep
 from medgraph.methods.baselines import (
     ChainOfThought,
@@ -52,7 +52,7 @@ class Method(Protocol):
     def episode(self, item: QaItem) -> Episode: ...
 
 
-Builder = Callable[[KnowledgeTools, ChatModel, Any, GraphTokenizer | None], Method]
+Builder = Callable[[KnowledgeTools, ChatModel, Any, GraphTokenEncoder | None], Method]
 
 
 @dataclass(frozen=True)
@@ -80,7 +80,7 @@ METHODS: dict[str, MethodSpec] = {
                        "the query-answer pairs are the next round's and the final answer's context"),
 }
 
-# Named ablations (DESIGN.md "Evaluation protocol"): a method and the configuration fields it changes.
+# Named ablations (docs/ARCHITECTURE.md "Evaluation protocol"): a method and the configuration fields it changes.
 ABLATIONS: dict[str, tuple[str, dict[str, object]]] = {
     "a2rag-no-awc": ("a2rag", {"use_awc": False}),
     "a2rag-no-gsrm": ("a2rag", {"retrieval": "one_hop"}),
@@ -122,7 +122,7 @@ def method_of(name: str) -> str:
 
 
 def build_method(name: str, tools: KnowledgeTools, llm: ChatModel, config: object | None = None,
-                 graph_tokenizer: GraphTokenizer | None = None) -> Method:
+                 graph_tokenizer: GraphTokenEncoder | None = None) -> Method:
     spec = METHODS[method_of(name)]
     config = config if config is not None else make_config(name)
     if not isinstance(config, spec.config_type):
@@ -132,7 +132,7 @@ def build_method(name: str, tools: KnowledgeTools, llm: ChatModel, config: objec
 
 def run_method(name: str, items: Sequence[QaItem], retriever: Retriever | KnowledgeTools, llm: ChatModel,
                config: object | None = None, batch_size: int = 8,
-               graph_tokenizer: GraphTokenizer | None = None) -> list[MethodResult]:
+               graph_tokenizer: GraphTokenEncoder | None = None) -> list[MethodResult]:
     """Answer `items` with a method (or named ablation), `batch_size` questions in lockstep at a time.
 
     Pass a `KnowledgeTools` instead of a Retriever to share its caches (concept dictionary,

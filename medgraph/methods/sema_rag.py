@@ -1,4 +1,4 @@
-"""SEMA-RAG: self-evolving multi-agent RAG for medical QA (DESIGN.md "The three methods").
+"""SEMA-RAG: self-evolving multi-agent RAG for medical QA (docs/ARCHITECTURE.md "The three methods").
 
 - I-Agent: the question becomes a clinical schema tuple (intent, entities,
   constraints, initial query), linearized into the retrieval query.
@@ -22,8 +22,8 @@ from collections.abc import Generator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from medgraph.eval.questions import QaItem
 from medgraph.kg.graph import Triple
-from medgraph.kg.qa import QaItem
 from medgraph.llm.base import ChatModel, GenerationConfig, assistant, system, user
 from medgraph.methods.agent import Episode, Generate, Request, ToolCall, answer_call
 from medgraph.methods.common import (

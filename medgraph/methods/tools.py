@@ -24,12 +24,11 @@ from dataclasses import dataclass
 import numpy as np
 
 from medgraph.embed.encoder import Encoder
+from medgraph.eval.questions import QaItem
 from medgraph.kg.graph import Triple
-from medgraph.kg.qa import QaItem
 from medgraph.retrieval import Retriever, SearchMode
-from medgraph.text.mentions import MENTIONS_TABLE, ConceptDictionary
+from medgraph.text.mentions import MENTIONS_TABLE, ConceptDictionary, TextChunk
 from medgraph.text.mentions import SCHEMA as MENTIONS_SCHEMA
-from medgraph.text.mentions import Chunk as MentionChunk
 
 # Options that name no concept: yes/no questions and "none of the above" style answers.
 _NON_CONCEPT_OPTIONS = frozenset({"yes", "no", "maybe", "none", "all of the above", "none of the above"})
@@ -76,7 +75,7 @@ class KnowledgeTools:
         """CUIs whose names occur in each text, in order of first mention."""
         found = []
         for i, text in enumerate(texts):
-            mentions = self.dictionary.find(MentionChunk(str(i), "", text))
+            mentions = self.dictionary.find(TextChunk(str(i), "", text))
             cuis = [m.cui for m in mentions if m.score >= self.min_fuzzy_score]
             found.append(list(dict.fromkeys(cuis)))
         return found
@@ -201,6 +200,6 @@ class KnowledgeTools:
                 found[chunk_id].append((cui, int(end_char)))
             return found
         for chunk_id, chunk in self.retriever.chunks(wanted).items():
-            found[chunk_id] = [(m.cui, m.end_char) for m in self.dictionary.find(MentionChunk(chunk_id, "", chunk.text))
+            found[chunk_id] = [(m.cui, m.end_char) for m in self.dictionary.find(TextChunk(chunk_id, "", chunk.text))
                                if m.score >= self.min_fuzzy_score]
         return found

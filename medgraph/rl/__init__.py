@@ -25,8 +25,6 @@ scale-out TRL would give us (vLLM generation, DDP) is in scale.py.
 
 from medgraph.rl.grpo import GrpoConfig, GrpoResult, group_advantages, grpo_token_loss, k3_kl, train_grpo
 from medgraph.rl.policy import (
-    POLICY_MODEL_NAME,
-    SFT_MODEL_NAME,
     PolicyChoice,
     choose_policy,
     load_champion_policy,
@@ -39,8 +37,6 @@ from medgraph.rl.rollout import EncodedConversation, Trajectory, encode_conversa
 from medgraph.rl.sft import SftConfig, expert_demonstrations, load_qa_items, train_sft
 
 __all__ = [
-    "POLICY_MODEL_NAME",
-    "SFT_MODEL_NAME",
     "EncodedConversation",
     "GrpoConfig",
     "GrpoResult",

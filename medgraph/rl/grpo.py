@@ -30,8 +30,6 @@ every `eval_every` steps. Scale-out: scale.py.
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 import random
 import time
@@ -44,7 +42,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from medgraph.kg.qa import QaItem
+from medgraph.eval.questions import QaItem
 from medgraph.llm.hf import TransformersChatModel, autocast
 from medgraph.methods.graph_r1 import GraphR1Config, GraphR1Env
 from medgraph.rl.model import (
@@ -185,14 +183,6 @@ class GrpoResult:
     policy: TransformersChatModel
     metrics: dict[str, float]  # valid_* at the end and at step 0, train means, timings
     history: list[dict[str, float]] = field(default_factory=list)
-
-
-def resume_dir(root: Path, config: GrpoConfig, start: str, inputs: Mapping[str, str]) -> Path:
-    """One folder under `root` per (settings, starting policy, input data versions): a retry resumes its own
-    interrupted run, never another's."""
-    settings = {k: v for k, v in config.as_dict().items() if k not in ("progress", "device")}
-    key = json.dumps({"config": settings, "sft": start, "inputs": dict(inputs)}, sort_keys=True, default=str)
-    return Path(root) / hashlib.sha256(key.encode()).hexdigest()[:16]
 
 
 def training_curves_figure(history: Sequence[Mapping[str, float]]):  # -> matplotlib Figure

@@ -20,15 +20,14 @@ checkpoint intact.
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from torch import nn
 
+from medgraph.files import directory_written_atomically, write_atomically
 from medgraph.llm.hf import TransformersChatModel
 from medgraph.rl.rollout import EncodedConversation
 
@@ -93,10 +92,9 @@ def save_policy(chat: TransformersChatModel, out_dir: Path) -> Path:
     """
     if is_lora(chat.model):
         chat.model = chat.model.merge_and_unload()
-    staging = out_dir.parent / f".{out_dir.name}.{uuid.uuid4().hex[:8]}.tmp"
-    chat.model.save_pretrained(staging, safe_serialization=True)
-    chat.tokenizer.save_pretrained(staging)
-    _replace_directory(staging, out_dir)
+    with directory_written_atomically(out_dir) as staging:
+        chat.model.save_pretrained(staging, safe_serialization=True)
+        chat.tokenizer.save_pretrained(staging)
     return out_dir
 
 
@@ -108,13 +106,13 @@ def save_checkpoint(root: Path, step: int, chat: TransformersChatModel, optimize
     """Write `root/step-<step>/` atomically, point `root/latest` at it, keep the newest `keep`."""
     root.mkdir(parents=True, exist_ok=True)
     name = f"step-{step:06d}"
-    staging = root / f".{name}.{uuid.uuid4().hex[:8]}.tmp"
-    chat.model.save_pretrained(staging / POLICY_DIR, safe_serialization=True)  # adapter only under LoRA
-    chat.tokenizer.save_pretrained(staging / POLICY_DIR)
-    torch.save(optimizer.state_dict(), staging / "optimizer.pt")
-    (staging / "state.json").write_text(json.dumps({"step": step, **state}, default=str))
-    final = _replace_directory(staging, root / name)
-    _write_atomically(root / LATEST, name)
+    final = root / name
+    with directory_written_atomically(final) as staging:
+        chat.model.save_pretrained(staging / POLICY_DIR, safe_serialization=True)  # adapter only under LoRA
+        chat.tokenizer.save_pretrained(staging / POLICY_DIR)
+        torch.save(optimizer.state_dict(), staging / "optimizer.pt")
+        (staging / "state.json").write_text(json.dumps({"step": step, **state}, default=str))
+    write_atomically(root / LATEST, name)
     for old in sorted(root.glob("step-*"))[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
     return final
@@ -134,24 +132,6 @@ def checkpoint_state(path: Path) -> dict[str, object]:
 
 def load_optimizer_state(path: Path, optimizer: torch.optim.Optimizer) -> None:
     optimizer.load_state_dict(torch.load(path / "optimizer.pt", map_location="cpu", weights_only=True))
-
-
-def _replace_directory(staging: Path, final: Path) -> Path:
-    """Rename `staging` to `final`, replacing a previous `final` (renamed aside first, then removed)."""
-    old = None
-    if final.exists():
-        old = final.parent / f".{final.name}.{uuid.uuid4().hex[:8]}.old"
-        os.replace(final, old)
-    os.replace(staging, final)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
-    return final
-
-
-def _write_atomically(path: Path, text: str) -> None:
-    staging = path.parent / f".{path.name}.{uuid.uuid4().hex[:8]}.tmp"
-    staging.write_text(text)
-    os.replace(staging, path)
 
 
 # --------------------------------------------------------------------------- scoring tokens

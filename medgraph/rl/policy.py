@@ -5,7 +5,8 @@ gated against the base model) and the GRPO policy (`medgraph-graph-r1-policy`,
 gated against its SFT start). Both gates: validation reward strictly higher
 and validation accuracy not lower, on the same validation questions (the
 reward is the finer signal on few questions; accuracy guards against a
-format-only gain). `choose_policy` says which policy a Graph-R1 method or
+format-only gain; the gates are in the registry of `medgraph.tracking`, the
+baselines here). `choose_policy` says which policy a Graph-R1 method or
 ablation runs with: `graph-r1` the GRPO champion, else the SFT champion, else
 the base LLM; `graph-r1-sft-only` the SFT champion or nothing (skipped);
 `graph-r1-no-sft` the base LLM.
@@ -33,24 +34,25 @@ os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
 
 import mlflow
 
+from medgraph.eval.questions import QaItem
 from medgraph.llm.base import ChatModel, GenerationConfig, Message
-from medgraph.llm.hf import TransformersChatModel
+from medgraph.llm.hf import TransformersChatModel, autocast
+from medgraph.methods.graph_r1 import GraphR1Env
+from medgraph.rl.grpo import GrpoConfig, GrpoResult, training_curves_figure
+from medgraph.rl.model import save_policy
+from medgraph.rl.rollout import evaluate
 from medgraph.settings import redact_uri
-from medgraph.tracking import MODEL_NAMES, Baseline, Gate, Tracking
+from medgraph.tracking import GRAPH_R1_POLICY_MODEL, GRAPH_R1_SFT_MODEL, Baseline, Tracking
 
 log = logging.getLogger(__name__)
 
-POLICY_MODEL_NAME = MODEL_NAMES["graph_r1_policy"]
-SFT_MODEL_NAME = MODEL_NAMES["graph_r1_sft"]
-POLICY_GATE = Gate("valid_reward", not_worse=("valid_accuracy",))  # GRPO vs its SFT start (or the champion)
-SFT_GATE = POLICY_GATE  # SFT vs the base model (or the champion)
 CHECKPOINT_ARTIFACT = "checkpoint"
 VALIDATION_KEY_TAG = "validation_key"  # on a policy's run: `rollout.validation_key` of its valid_* metrics
 
 
 def sft_start_baseline(metrics: Mapping[str, float], sft_uri: str) -> Baseline:
     """The GRPO gate's baseline: the SFT policy it started from, validated at step 0 (`valid_*_start`)."""
-    return Baseline(f"SFT start {sft_uri}", {m: metrics[f"{m}_start"] for m in POLICY_GATE.metrics
+    return Baseline(f"SFT start {sft_uri}", {m: metrics[f"{m}_start"] for m in GRAPH_R1_POLICY_MODEL.gate.metrics
                                              if f"{m}_start" in metrics})
 
 
@@ -69,7 +71,8 @@ def recorded_validation(tracking: Tracking, model_uri: str, key: str) -> dict[st
 
 def base_model_baseline(before: Mapping[str, float], base_name: str) -> Baseline:
     """The SFT gate's baseline: the base model on the same validation questions (`evaluate`'s keys)."""
-    return Baseline(f"base model {base_name}", {m: before[m.removeprefix("valid_")] for m in SFT_GATE.metrics
+    return Baseline(f"base model {base_name}", {m: before[m.removeprefix("valid_")]
+                                                for m in GRAPH_R1_SFT_MODEL.gate.metrics
                                                 if m.removeprefix("valid_") in before})
 
 
@@ -114,6 +117,23 @@ def log_policy(checkpoint_dir: Path, name: str, metadata: Mapping[str, object] |
     return info.model_uri
 
 
+def validate(policy: TransformersChatModel, env: GraphR1Env, valid: list[QaItem], bf16: bool) -> dict[str, float]:
+    """`rollout.evaluate` of `policy` on the validation questions, generating under the training's autocast."""
+    with autocast(policy.device, bf16, generation=True):
+        return evaluate(policy, env, valid)
+
+
+def log_grpo_result(result: GrpoResult, config: GrpoConfig, policy_dir: Path, sft_uri: str) -> str:
+    """Log a GRPO run's outcome in the active run (its final training metrics, the validation ones having been
+    logged as measured; history; training curves; the merged policy, saved to `policy_dir`); returns the
+    logged model's URI."""
+    mlflow.log_metrics({k: v for k, v in result.metrics.items() if not k.startswith("valid_")}, step=config.steps)
+    mlflow.log_dict({"history": result.history}, "training.json")
+    mlflow.log_figure(training_curves_figure(result.history), "training_curves.png")
+    return log_policy(save_policy(result.policy, policy_dir), result.policy.name, metadata={
+        "sft_model_uri": sft_uri, "graph_r1_config": config.as_dict()})
+
+
 def load_policy(model_uri: str) -> TransformersChatModel:
     """The chat model of a logged policy (`models:/medgraph-graph-r1-policy@champion`, `models:/m-...`)."""
     return mlflow.pyfunc.load_model(model_uri).unwrap_python_model().chat
@@ -128,29 +148,14 @@ def download_checkpoint(model_uri: str, out_dir: Path) -> Path:
     return found[0]
 
 
-def _tracking(tracking_uri: str | None, home: Path | None) -> Tracking:
-    """The settings' tracking server (MLFLOW_TRACKING_URI, else the SQLite file under `home`, default
-    MEDGRAPH_HOME) unless `tracking_uri` is given."""
-    from medgraph.settings import load_settings
-
-    env = dict(os.environ)
-    if home is not None:
-        env["MEDGRAPH_HOME"] = str(home)
-    settings = load_settings(env)
-    return Tracking(tracking_uri or settings.mlflow_tracking_uri, str(settings.home / "artifacts"))
-
-
-def load_champion_policy(tracking_uri: str | None = None, home: Path | None = None,
-                         name: str = POLICY_MODEL_NAME) -> ChatModel | None:
-    """The registered champion of `name` (the GRPO policy by default, or SFT_MODEL_NAME) as a chat model,
-    or None when nothing is registered."""
-    tracking = _tracking(tracking_uri, home)
+def load_champion_policy(tracking: Tracking, name: str = GRAPH_R1_POLICY_MODEL.name) -> ChatModel | None:
+    """The registered champion of `name` (the GRPO policy by default, or GRAPH_R1_SFT_MODEL.name) as a chat
+    model, or None when nothing is registered."""
     version = tracking.champion_version(name)
     if version is None:
         log.info("no %s@champion in %s", name, tracking.tracking_uri)
         return None
-    mlflow.set_tracking_uri(tracking.tracking_uri)
-    mlflow.set_registry_uri(tracking.tracking_uri)
+    _activate(tracking)
     chat = load_policy(tracking.model_uri(name))
     log.info("Graph-R1 policy: %s v%s (%s)", name, version, chat.name)
     return chat
@@ -162,7 +167,7 @@ POLICY_PREFERENCE: dict[str, tuple[str, ...]] = {
     "graph-r1-sft-only": ("sft",),  # SFT, no GRPO: without an SFT champion the run is skipped, not faked
 }
 DEFAULT_PREFERENCE = ("grpo", "sft", "base")  # graph-r1 and its action ablations
-_REGISTERED = {"grpo": (POLICY_MODEL_NAME, "GRPO champion"), "sft": (SFT_MODEL_NAME, "SFT champion")}
+_REGISTERED = {"grpo": (GRAPH_R1_POLICY_MODEL.name, "GRPO champion"), "sft": (GRAPH_R1_SFT_MODEL.name, "SFT champion")}
 
 
 @dataclass(frozen=True)
@@ -175,9 +180,8 @@ class PolicyChoice:
     description: str  # for lineage and results, e.g. "medgraph-graph-r1-sft v2 (SFT champion)"
 
 
-def choose_policy(method: str, tracking_uri: str | None = None, home: Path | None = None) -> PolicyChoice:
+def choose_policy(method: str, tracking: Tracking) -> PolicyChoice:
     """The policy `method` runs with (see POLICY_PREFERENCE), pinned to the champion's version now."""
-    tracking = _tracking(tracking_uri, home)
     uri = tracking.tracking_uri
     no_database = uri.startswith("sqlite:///") and not Path(uri.removeprefix("sqlite:///")).exists()
     preference = POLICY_PREFERENCE.get(method, DEFAULT_PREFERENCE)
@@ -192,31 +196,28 @@ def choose_policy(method: str, tracking_uri: str | None = None, home: Path | Non
     return PolicyChoice(method, None, None, f"skipped: no {wanted} in {redact_uri(uri)}")
 
 
-def policy_environment(model_uri: str | None, tracking_uri: str | None = None,
-                       home: Path | None = None) -> dict[str, object]:
+def policy_environment(model_uri: str | None, tracking: Tracking) -> dict[str, object]:
     """The Graph-R1 environment a registered policy was trained and validated in (its logged
     `graph_r1_config`, env_* fields), as GraphR1Config overrides: a policy is evaluated in the environment
     it learned (turn budget, tokens per turn, observation sizes), not the method's defaults. `actions` is
     left out (ablations set it). {} for the base LLM or a policy that records none."""
     if model_uri is None:
         return {}
-    _activate(tracking_uri, home)
+    _activate(tracking)
     config = (mlflow.models.get_model_info(model_uri).metadata or {}).get("graph_r1_config") or {}
     return {key.removeprefix("env_"): tuple(value) if isinstance(value, list) else value
             for key, value in config.items() if key.startswith("env_") and key != "env_actions"}
 
 
-def load_chosen_policy(choice: PolicyChoice, tracking_uri: str | None = None,
-                       home: Path | None = None) -> ChatModel | None:
+def load_chosen_policy(choice: PolicyChoice, tracking: Tracking) -> ChatModel | None:
     """The chat model of a choice; None for the base LLM (and for a skipped method)."""
     if choice.model_uri is None:
         return None
-    _activate(tracking_uri, home)
+    _activate(tracking)
     return load_policy(choice.model_uri)
 
 
-def _activate(tracking_uri: str | None, home: Path | None) -> None:
-    """Point mlflow's `models:/` resolution at the settings' (or the given) tracking server and registry."""
-    tracking = _tracking(tracking_uri, home)
+def _activate(tracking: Tracking) -> None:
+    """Point mlflow's `models:/` resolution at the tracking server and registry."""
     mlflow.set_tracking_uri(tracking.tracking_uri)
     mlflow.set_registry_uri(tracking.tracking_uri)

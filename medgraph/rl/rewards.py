@@ -1,4 +1,4 @@
-"""Graph-R1 episode rewards (DESIGN.md "The three methods": r = r_acc + lambda * r_fmt).
+"""Graph-R1 episode rewards (docs/ARCHITECTURE.md "The three methods": r = r_acc + lambda * r_fmt).
 
 r_acc is what the answer is worth: exact match of the option letter for a
 multiple-choice question, token F1 against the acceptable answers for a short

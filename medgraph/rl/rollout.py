@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 
-from medgraph.kg.qa import QaItem
+from medgraph.eval.questions import QaItem
 from medgraph.llm.base import ChatModel, GenerationConfig, Message
 from medgraph.methods.graph_r1 import STOP, GraphR1Config, GraphR1Env, GraphR1State, restore_stop
 from medgraph.rl.rewards import Reward, episode_reward

@@ -39,8 +39,8 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from medgraph.eval.questions import QaItem
 from medgraph.kg.graph import Triple
-from medgraph.kg.qa import QaItem
 from medgraph.llm.hf import TransformersChatModel, autocast
 from medgraph.methods.graph_r1 import EnvStep, GraphR1Config, GraphR1Env, GraphR1State
 from medgraph.rl.grpo import SMALL_ENV, TINY_ENV

@@ -57,10 +57,10 @@ def main(argv: list[str] | None = None) -> int:
     policy_dir = save_policy(result.policy, args.out / "policy")
     print(json.dumps({"policy": str(policy_dir), **result.metrics}))
     if args.register:
-        from medgraph.rl.policy import POLICY_GATE, POLICY_MODEL_NAME, log_policy, sft_start_baseline
-        from medgraph.tracking import Tracking
+        from medgraph.rl.policy import log_policy, sft_start_baseline
+        from medgraph.tracking import GRAPH_R1_POLICY_MODEL, Tracking
 
-        tracking = Tracking(settings.mlflow_tracking_uri, str(settings.home / "artifacts"))
+        tracking = Tracking.from_settings(settings)
         with tracking.start_run("graph_r1_policy", tags={"launcher": "medgraph.rl.train"}):
             import mlflow
 
@@ -68,9 +68,9 @@ def main(argv: list[str] | None = None) -> int:
             mlflow.log_metrics(result.metrics)
             mlflow.log_figure(training_curves_figure(result.history), "training_curves.png")
             uri = log_policy(policy_dir, result.policy.name, metadata={"graph_r1_config": config.as_dict()})
-            _, promotion = tracking.register_and_gate(uri, POLICY_MODEL_NAME, POLICY_GATE,
+            registration = tracking.register_and_gate(uri, GRAPH_R1_POLICY_MODEL,
                                                       sft_start_baseline(result.metrics, str(args.model_dir)))
-            print(promotion.reason)
+            print(registration.promotion.reason)
     return 0
 
 

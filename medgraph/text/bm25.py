@@ -28,7 +28,7 @@ from pathlib import Path
 
 import duckdb
 
-from medgraph.storage import Warehouse
+from medgraph.storage import Warehouse, transaction
 
 TABLE = "text.corpus_chunks"
 FTS_SCHEMA = "fts_text_corpus_chunks"  # DuckDB names an index's schema fts_<schema>_<table>
@@ -94,13 +94,8 @@ def build_bm25_index(warehouse: Warehouse) -> Bm25IndexStats:
     """Rebuild the index from the current table, in one transaction (a failure keeps the old index)."""
     started = time.perf_counter()
     with warehouse.connect() as con:
-        con.execute("BEGIN")
-        try:
+        with transaction(con):
             create_bm25_index(con)
-            con.execute("COMMIT")
-        except BaseException:
-            con.execute("ROLLBACK")
-            raise
         chunks, terms = con.execute(
             f"SELECT (SELECT num_docs FROM {FTS_SCHEMA}.stats), (SELECT count(*) FROM {FTS_SCHEMA}.dict)"
         ).fetchone()

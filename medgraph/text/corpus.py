@@ -39,7 +39,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from tokenizers import Tokenizer
 
-from medgraph.storage import Warehouse, quote_ident, sql_literal
+from medgraph.storage import Warehouse, quote_ident, sql_literal, transaction
 from medgraph.text.bm25 import create_bm25_index
 from medgraph.text.chunking import (
     DEFAULT_CHUNK_TOKENS,
@@ -493,19 +493,13 @@ def _check_unique_documents(staging: Path, sources: Counter[str]) -> None:
 def _replace_table_and_index(warehouse: Warehouse, staging: Path) -> float:
     """Replace the table and rebuild its BM25 index in one transaction; returns the index build seconds."""
     table = f"{quote_ident(SCHEMA)}.{quote_ident(TABLE)}"
-    with warehouse.connect() as con:
-        con.execute("BEGIN")
-        try:
-            con.execute(f"CREATE SCHEMA IF NOT EXISTS {quote_ident(SCHEMA)}")
-            con.execute(f"CREATE OR REPLACE TABLE {table} AS "
-                        f"SELECT * FROM read_parquet({sql_literal(str(staging))})")
-            index_started = time.perf_counter()
-            create_bm25_index(con)
-            index_seconds = time.perf_counter() - index_started
-            con.execute("COMMIT")
-        except BaseException:
-            con.execute("ROLLBACK")
-            raise
+    with warehouse.connect() as con, transaction(con):
+        con.execute(f"CREATE SCHEMA IF NOT EXISTS {quote_ident(SCHEMA)}")
+        con.execute(f"CREATE OR REPLACE TABLE {table} AS "
+                    f"SELECT * FROM read_parquet({sql_literal(str(staging))})")
+        index_started = time.perf_counter()
+        create_bm25_index(con)
+        index_seconds = time.perf_counter() - index_started
     return index_seconds
 
 

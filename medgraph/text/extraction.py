@@ -28,8 +28,8 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
 from medgraph.llm.base import ChatModel, GenerationConfig, system, user
-from medgraph.storage import Warehouse, quote_ident, sql_literal
-from medgraph.text.mentions import Chunk, ConceptDictionary, read_chunks
+from medgraph.storage import Warehouse, quote_ident, sql_literal, transaction
+from medgraph.text.mentions import ConceptDictionary, TextChunk, read_chunks
 
 log = logging.getLogger(__name__)
 
@@ -114,7 +114,7 @@ def _json_line(line: str) -> object:
 
 def link_entities(dictionary: ConceptDictionary, names: Sequence[str]) -> list[str]:
     """The CUIs the entity names name (each name's dictionary matches), in order, without repeats."""
-    cuis = [m.cui for i, name in enumerate(names) for m in dictionary.find(Chunk(str(i), "", name))
+    cuis = [m.cui for i, name in enumerate(names) for m in dictionary.find(TextChunk(str(i), "", name))
             if m.score >= MIN_LINK_SCORE]
     return list(dict.fromkeys(cuis))
 
@@ -163,9 +163,9 @@ def extract_chunk_hyperedges(warehouse: Warehouse, llm: ChatModel, *, batch_chun
     dictionary = dictionary or ConceptDictionary.from_warehouse(warehouse)
     done = _done_chunks(warehouse, llm.name)
     generation = GenerationConfig(max_new_tokens=max_new_tokens)
-    pending: list[Chunk] = []
+    pending: list[TextChunk] = []
 
-    def run_batch(chunks: list[Chunk]) -> None:
+    def run_batch(chunks: list[TextChunk]) -> None:
         conversations = [[system(EXTRACTION_SYSTEM), user(EXTRACTION_PROMPT.format(text=c.text[:max_text_chars]))]
                          for c in chunks]
         completions = llm.generate(conversations, generation)
@@ -181,19 +181,13 @@ def extract_chunk_hyperedges(warehouse: Warehouse, llm: ChatModel, *, batch_chun
             stats.parse_failures += not facts
             stats.prompt_tokens += completion.prompt_tokens
             stats.completion_tokens += completion.completion_tokens
-        with warehouse.connect() as con:  # the batch's hyperedges and run rows commit together, or not at all
-            con.execute("BEGIN")
-            try:
-                if edges:
-                    con.executemany(f"INSERT OR REPLACE INTO {SCHEMA}.{HYPEREDGES_TABLE} VALUES (?, ?, ?, ?, ?, ?)",
-                                    [(e.hyperedge_id, e.chunk_id, e.relation_text, e.entities, e.cuis, e.model)
-                                     for e in edges])
-                con.executemany(f"INSERT OR REPLACE INTO {SCHEMA}.{RUNS_TABLE} VALUES (?, ?, ?, ?, ?, ?, now())",
-                                runs)
-                con.execute("COMMIT")
-            except BaseException:
-                con.execute("ROLLBACK")
-                raise
+        # The batch's hyperedges and run rows commit together, or not at all.
+        with warehouse.connect() as con, transaction(con):
+            if edges:
+                con.executemany(f"INSERT OR REPLACE INTO {SCHEMA}.{HYPEREDGES_TABLE} VALUES (?, ?, ?, ?, ?, ?)",
+                                [(e.hyperedge_id, e.chunk_id, e.relation_text, e.entities, e.cuis, e.model)
+                                 for e in edges])
+            con.executemany(f"INSERT OR REPLACE INTO {SCHEMA}.{RUNS_TABLE} VALUES (?, ?, ?, ?, ?, ?, now())", runs)
         stats.chunks_extracted += len(chunks)
         stats.hyperedges += len(edges)
         stats.hyperedges_linked += sum(len(e.cuis) >= 2 for e in edges)

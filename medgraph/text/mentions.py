@@ -31,7 +31,7 @@ than `min_name_chars`, made only of stop words or digits, longer than
 concepts.
 
 Hook for a later LLM pass: `link_chunk_mentions(extract=...)` takes any
-callable `extract(chunks: Sequence[Chunk]) -> Iterable[Mention]`, called on
+callable `extract(chunks: Sequence[TextChunk]) -> Iterable[Mention]`, called on
 batches of chunks; the default is the `ConceptDictionary` built from the KG.
 An LLM extractor (entities with a chat model, mapped to CUIs) can be passed
 alone or chained with the dictionary:
@@ -60,7 +60,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from medgraph.s3 import S3Lake
-from medgraph.storage import Lake, Warehouse, quote_ident, sql_literal
+from medgraph.storage import Lake, Warehouse, quote_ident, sql_literal, transaction
 
 log = logging.getLogger(__name__)
 
@@ -96,7 +96,9 @@ _QUALIFIERS = re.compile(r"\([^()]*\)|\[[^\[\]]*\]|(?:,\s*|\s+)NOS\b")
 
 
 @dataclass(frozen=True)
-class Chunk:
+class TextChunk:
+    """A text that mentions are found in: a corpus chunk, or any text given an id (a question, a name)."""
+
     chunk_id: str
     title: str
     text: str
@@ -115,7 +117,7 @@ class Mention:
     end_char: int
 
 
-MentionExtractor = Callable[[Sequence[Chunk]], Iterable[Mention]]
+MentionExtractor = Callable[[Sequence[TextChunk]], Iterable[Mention]]
 
 
 # -----------------------------------------------------------------------------
@@ -253,10 +255,10 @@ class ConceptDictionary:
     def names(self) -> int:
         return len(self.exact) + len(self.acronyms)
 
-    def __call__(self, chunks: Sequence[Chunk]) -> list[Mention]:
+    def __call__(self, chunks: Sequence[TextChunk]) -> list[Mention]:
         return [m for chunk in chunks for m in self.find(chunk)]
 
-    def find(self, chunk: Chunk) -> Iterator[Mention]:
+    def find(self, chunk: TextChunk) -> Iterator[Mention]:
         """Longest matches, left to right, in one chunk's text."""
         text = chunk.text
         words = list(_WORD.finditer(text))
@@ -363,7 +365,7 @@ class MentionStats:
         return metadata
 
 
-def read_chunks(lake: Lake | S3Lake, batch_rows: int = _BATCH_CHUNKS) -> Iterator[list[Chunk]]:
+def read_chunks(lake: Lake | S3Lake, batch_rows: int = _BATCH_CHUNKS) -> Iterator[list[TextChunk]]:
     """Batches of the published corpus chunks, streamed from the lake (no warehouse lock held)."""
     path = lake.table_path(CHUNKS_SCHEMA, CHUNKS_TABLE)
     if not lake.exists(path):
@@ -372,10 +374,10 @@ def read_chunks(lake: Lake | S3Lake, batch_rows: int = _BATCH_CHUNKS) -> Iterato
     with lake.local_copy(path) as local:
         for batch in pq.ParquetFile(local).iter_batches(batch_size=batch_rows, columns=columns):
             ids, titles, texts = (batch.column(i).to_pylist() for i in range(3))
-            yield [Chunk(c, t or "", x) for c, t, x in zip(ids, titles, texts)]
+            yield [TextChunk(c, t or "", x) for c, t, x in zip(ids, titles, texts)]
 
 
-def _write_mentions(batches: Iterable[list[Chunk]], extract: MentionExtractor, path: Path,
+def _write_mentions(batches: Iterable[list[TextChunk]], extract: MentionExtractor, path: Path,
                     stats: MentionStats) -> None:
     """Run `extract` on each batch and stream its mentions into a Parquet file."""
     with pq.ParquetWriter(path, MENTION_SCHEMA, compression="zstd") as writer:
@@ -424,17 +426,11 @@ def link_chunk_mentions(
         matching_started = time.perf_counter()
         _write_mentions(read_chunks(lake, batch_chunks), extract, raw, stats)
         stats.matching_seconds = time.perf_counter() - matching_started
-        with warehouse.connect() as con:
-            con.execute("BEGIN")
-            try:
-                _replace_tables(con, raw, max_chunks_per_concept, stats)
-                for table, path in staged.items():
-                    con.execute(f"COPY {quote_ident(SCHEMA)}.{quote_ident(table)} "
-                                f"TO {sql_literal(str(path))} (FORMAT parquet, COMPRESSION zstd)")
-                con.execute("COMMIT")
-            except BaseException:
-                con.execute("ROLLBACK")
-                raise
+        with warehouse.connect() as con, transaction(con):
+            _replace_tables(con, raw, max_chunks_per_concept, stats)
+            for table, path in staged.items():
+                con.execute(f"COPY {quote_ident(SCHEMA)}.{quote_ident(table)} "
+                            f"TO {sql_literal(str(path))} (FORMAT parquet, COMPRESSION zstd)")
         for table, path in staged.items():
             lake.publish(path, SCHEMA, table)
     finally:

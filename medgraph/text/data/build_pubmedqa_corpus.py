@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import argparse
 import gzip
+import io
 import json
-import os
 from pathlib import Path
+
+from medgraph.files import write_atomically
 
 PACKAGED_FILE = Path(__file__).with_name("pubmedqa_pqal_abstracts.jsonl.gz")
 
@@ -32,18 +34,12 @@ def abstract_records(pqal: dict[str, dict]) -> list[dict[str, str]]:
 
 
 def write_corpus(records: list[dict[str, str]], out: Path) -> Path:
-    """Gzipped JSONL, written to a temporary file and renamed over `out`."""
-    staging = out.with_name(f".{out.name}.tmp")
-    try:
-        with open(staging, "wb") as raw, \
-                gzip.GzipFile(fileobj=raw, mode="wb", mtime=0, filename="") as handle:
-            for record in records:
-                handle.write((json.dumps(record, ensure_ascii=False) + "\n").encode("utf-8"))
-        os.replace(staging, out)
-    except BaseException:
-        staging.unlink(missing_ok=True)
-        raise
-    return out
+    """Gzipped JSONL (a few MB), compressed in memory and written atomically to `out`."""
+    compressed = io.BytesIO()
+    with gzip.GzipFile(fileobj=compressed, mode="wb", mtime=0, filename="") as handle:
+        for record in records:
+            handle.write((json.dumps(record, ensure_ascii=False) + "\n").encode("utf-8"))
+    return write_atomically(out, compressed.getvalue())
 
 
 def main(argv: list[str] | None = None) -> None:
