@@ -1,12 +1,11 @@
 """UMLS release -> `umls.*` tables (Parquet in the lake, views in the warehouse)."""
 
-import hashlib
 from collections.abc import Iterator
 
 import dagster as dg
 
 from medgraph.umls import checks
-from medgraph.umls.publish import publish_release, stage_release
+from medgraph.umls.publish import publish_release, stage_release, table_data_version, table_warnings
 from medgraph.umls.schema import INGESTED, MRCONSO, MRREL, RrfLayout
 from platform_assets.automation import on_data_version_change
 from resources import UmlsReleaseResource, WarehouseResource
@@ -92,30 +91,20 @@ def umls_release_tables(
         staged = stage_release(release_dir, layouts, store, filters, quarantine=config.quarantine_bad_rows,
                                check_mrfiles=config.check_mrfiles)
         published = publish_release(store, staged, release_dir=release_dir)
-        # Lineage: which release these rows came from, even when the source was never observed.
-        fingerprint = release.fingerprint()[0]
+        fingerprint = release.fingerprint()[0]  # lineage, even when the source was never observed
         for table, stats in zip(staged, published):
-            layout = table.layout
-            key = dg.AssetKey([GROUP, layout.table])
-            if not stats.completeness.startswith("verified"):
-                context.log.warning(f"{layout.filename}: completeness {stats.completeness}")
-            if stats.rejected:
-                context.log.warning(f"{stats.rejected} malformed rows quarantined in umls.{layout.table}_rejects")
-            metadata = stats.as_metadata()
-            metadata["parquet_path"] = dg.MetadataValue.path(stats.parquet_path)
-            metadata["dagster/row_count"] = stats.rows_out
-            metadata["dagster/table_name"] = f"umls.{layout.table}"
-            metadata["release_fingerprint"] = fingerprint
-            # The data version is this table's content: its own RRF files, the filters and the ingestion code, so
-            # re-ingesting unchanged files (from the UI, without observing the release) changes nothing downstream
-            # and a revised file changes only this table's descendants.
-            content = f"{INGEST_CODE_VERSION}|{table.rrf_fingerprint}|{filters}|{config.quarantine_bad_rows}"
+            key = dg.AssetKey([GROUP, table.layout.table])
+            for warning in table_warnings(table, stats):
+                context.log.warning(warning)
+            metadata = {**stats.as_metadata(), "parquet_path": dg.MetadataValue.path(stats.parquet_path),
+                        "dagster/row_count": stats.rows_out, "dagster/table_name": f"umls.{table.layout.table}",
+                        "release_fingerprint": fingerprint}
             # The blocking checks ran on the staged rows (the gate); they are reported per table here.
             results = [_result(outcome, dg.AssetCheckSeverity.ERROR, key, name)
-                       for name, outcome in table.checks.items()
-                       if dg.AssetCheckKey(key, name) in selected_checks]
+                       for name, outcome in table.checks.items() if dg.AssetCheckKey(key, name) in selected_checks]
+            version = table_data_version(INGEST_CODE_VERSION, table, filters, config.quarantine_bad_rows)
             yield dg.MaterializeResult(asset_key=key, metadata=metadata, check_results=results,
-                                       data_version=dg.DataVersion(hashlib.sha256(content.encode()).hexdigest()[:16]))
+                                       data_version=dg.DataVersion(version))
     for check_key in sorted(selected_checks, key=lambda k: k.to_user_string()):
         if check_key.asset_key in context.selected_asset_keys or check_key.asset_key not in _LAYOUT_BY_KEY:
             continue

@@ -17,6 +17,7 @@ as any other (medgraph.storage.lake_views_to_repoint).
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import time
 import uuid
@@ -103,6 +104,24 @@ def publish_release(warehouse: Warehouse, staged: list[StagedTable],
     remove_superseded_files(lake, moved)
     log.info("published %s (version %s) in one transaction", _unchanged(layouts), version)
     return [published_stats(table, lake, moved[table.layout.table]) for table in staged]
+
+
+def table_data_version(code_version: str, staged: StagedTable, filters: IngestFilters, quarantine: bool) -> str:
+    """A published table's data version: its own RRF files, the filters and the ingestion code. Re-ingesting
+    unchanged files (from the UI, without observing the release) changes nothing downstream, and a revised
+    file changes only this table's descendants."""
+    content = f"{code_version}|{staged.rrf_fingerprint}|{filters}|{quarantine}"
+    return hashlib.sha256(content.encode()).hexdigest()[:16]
+
+
+def table_warnings(staged: StagedTable, stats: IngestStats) -> list[str]:
+    """What an operator should see in the run log about one published table."""
+    warnings = []
+    if not stats.completeness.startswith("verified"):
+        warnings.append(f"{staged.layout.filename}: completeness {stats.completeness}")
+    if stats.rejected:
+        warnings.append(f"{stats.rejected} malformed rows quarantined in {SCHEMA}.{stats.table}_rejects")
+    return warnings
 
 
 def remove_superseded_files(lake: Lake | S3Lake, current: dict[str, Path | str]) -> list[str]:
