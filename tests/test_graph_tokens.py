@@ -13,6 +13,8 @@ import torch
 from conftest import copy_warehouse
 
 import platform_assets.models as model_assets
+from medgraph.eval.gsrm import params_path
+from medgraph.files import write_json_atomically
 from medgraph.gnn.graph_tokens import (
     GraphTokenizer,
     HiimProjector,
@@ -106,8 +108,14 @@ def test_graph_tokens_live_in_the_llm_embedding_space_and_carry_gradient(qa_ware
 
 def test_projector_must_beat_a2rags_text_only_answer_then_the_champion(qa_warehouse: Warehouse, smollm2, encoder,
                                                                         tmp_path: Path, mlflow_db: Path,
-                                                                        monkeypatch: pytest.MonkeyPatch):
+                                                                        monkeypatch: pytest.MonkeyPatch,
+                                                                        request: pytest.FixtureRequest):
     home = qa_warehouse.path.parent
+    # GSRM as models/gsrm_params would tune it, kept small: one expansion, 15 triples per question (the
+    # asset's retrieval over the training and validation questions is most of this test's time).
+    tuned = params_path(home)
+    write_json_atomically(tuned, {"tau": 0.5, "iterations": 1, "top_n": 15})
+    request.addfinalizer(lambda: tuned.unlink(missing_ok=True))  # the warehouse is shared by the module
     llm = LlmResource(spec="smollm2-135m-instruct", home=str(tmp_path))
     llm._llm = smollm2  # the session's loaded model: the resource would load the same one
     encoder_resource = EncoderResource(max_length=128)
