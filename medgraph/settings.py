@@ -4,10 +4,23 @@ from __future__ import annotations
 
 import os
 import re
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any, TypeVar
 
 PROFILES = ("tiny", "demo", "full")
+
+
+Config = TypeVar("Config")
+
+
+def profile_config(profiles: Mapping[str, Config], what: str, name: str, **overrides: Any) -> Config:
+    """The dataclass config of profile `name` in `profiles` with `overrides` applied; an unknown name is an
+    error that lists the known ones (each trainer's `Config.profile` is this over its own table)."""
+    if name not in profiles:
+        raise ValueError(f"unknown {what} profile {name!r}: one of {', '.join(profiles)}")
+    return replace(profiles[name], **overrides)
 
 # `scheme://user:password@host`: everything between `//` and the `@` before the host is a credential.
 _USERINFO = re.compile(r"(?P<scheme>\b[A-Za-z][A-Za-z0-9+.-]*://)(?P<user>[^\s/@:?#]*)(?P<secret>:[^\s/?#]*)?@")

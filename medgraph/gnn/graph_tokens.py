@@ -23,7 +23,7 @@ import math
 import random
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
@@ -41,6 +41,7 @@ from medgraph.llm.base import ChatModel, Message
 from medgraph.llm.hf import autocast
 from medgraph.methods.a2rag import A2RagConfig, answer_conversation, gsrm_refine
 from medgraph.s3 import S3Lake
+from medgraph.settings import profile_config
 from medgraph.storage import Lake, Warehouse
 from medgraph.tracking import HIIM_PROJECTOR_MODEL, Baseline, Tracking
 
@@ -138,9 +139,7 @@ class ProjectorConfig:
 
     @classmethod
     def profile(cls, name: str, **overrides: object) -> ProjectorConfig:
-        if name not in PROJECTOR_PROFILES:
-            raise ValueError(f"unknown projector profile {name!r}: one of {', '.join(PROJECTOR_PROFILES)}")
-        return replace(PROJECTOR_PROFILES[name], **overrides)
+        return profile_config(PROJECTOR_PROFILES, "projector", name, **overrides)
 
     def as_dict(self) -> dict[str, object]:
         return asdict(self)

@@ -27,7 +27,7 @@ import logging
 import math
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -42,6 +42,7 @@ from medgraph.gnn.model import GatModel
 from medgraph.gnn.sampling import CsrGraph, NeighborSampler
 from medgraph.kg.csr import GraphIndex, build_graph_index
 from medgraph.s3 import S3Lake
+from medgraph.settings import profile_config
 from medgraph.storage import Lake, Warehouse
 
 log = logging.getLogger(__name__)
@@ -87,9 +88,7 @@ class GatConfig:
     @classmethod
     def profile(cls, name: str, **overrides: object) -> GatConfig:
         """`tiny` (seconds on a CPU, tests), `demo` (minutes on a CPU), `full` (a UMLS release on a GPU)."""
-        if name not in GAT_PROFILES:
-            raise ValueError(f"unknown GAT profile {name!r}: one of {', '.join(GAT_PROFILES)}")
-        return replace(GAT_PROFILES[name], **overrides)
+        return profile_config(GAT_PROFILES, "GAT", name, **overrides)
 
     def as_dict(self) -> dict[str, object]:
         return asdict(self)

@@ -62,6 +62,7 @@ from medgraph.rl.model import (
 from medgraph.rl.rewards import episode_reward
 from medgraph.rl.rollout import Trajectory, encode_conversation, evaluate, generation_config, rollout
 from medgraph.rl.scale import Distributed, VllmRollouts
+from medgraph.settings import profile_config
 
 log = logging.getLogger(__name__)
 
@@ -146,9 +147,7 @@ class GrpoConfig:
 
     @classmethod
     def profile(cls, name: str, **overrides: object) -> GrpoConfig:
-        if name not in GRPO_PROFILES:
-            raise ValueError(f"unknown GRPO profile {name!r}: one of {', '.join(GRPO_PROFILES)}")
-        return replace(GRPO_PROFILES[name], **overrides)
+        return profile_config(GRPO_PROFILES, "GRPO", name, **overrides)
 
     def as_dict(self) -> dict[str, object]:
         flat = {k: v for k, v in asdict(self).items() if k != "graph_r1"}

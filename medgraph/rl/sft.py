@@ -33,7 +33,7 @@ import random
 import time
 from collections import Counter
 from collections.abc import Callable, Generator, Sequence
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
@@ -53,6 +53,7 @@ from medgraph.rl.model import (
 )
 from medgraph.rl.rewards import episode_reward
 from medgraph.rl.rollout import encode_conversation
+from medgraph.settings import profile_config
 from medgraph.storage import Warehouse
 
 log = logging.getLogger(__name__)
@@ -229,9 +230,7 @@ class SftConfig:
 
     @classmethod
     def profile(cls, name: str, **overrides: object) -> SftConfig:
-        if name not in SFT_PROFILES:
-            raise ValueError(f"unknown SFT profile {name!r}: one of {', '.join(SFT_PROFILES)}")
-        return replace(SFT_PROFILES[name], **overrides)
+        return profile_config(SFT_PROFILES, "SFT", name, **overrides)
 
     def as_dict(self) -> dict[str, object]:
         flat = {k: v for k, v in asdict(self).items() if k != "graph_r1"}
