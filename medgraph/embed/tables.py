@@ -224,8 +224,10 @@ def embed_table(
                 con.execute("CREATE VIEW kept AS SELECT * FROM reusable")
             reused = con.execute("SELECT count(*) FROM kept").fetchone()[0]
             removed = con.execute("SELECT count(*) FROM old ANTI JOIN src USING (id)").fetchone()[0]
+            # Ties in length broken by id: which texts share a (padded, bf16) batch changes their vectors in
+            # the last bits, so an arbitrary order made two runs of the same release embed slightly differently.
             todo = ("SELECT s.id, s.text, s.content_hash FROM src AS s ANTI JOIN kept AS r ON s.id = r.id "
-                    "ORDER BY length(s.text)")
+                    "ORDER BY length(s.text), s.id")
             parts = ["SELECT id, content_hash, encoder_id, embedding FROM kept"]
             encode_seconds = 0.0
             if rows > reused:
