@@ -81,12 +81,6 @@ class EvalConfig(dg.Config):
     """JSON object: method or ablation name -> configuration overrides, e.g. {"a2rag": {"tau": 0.4}}."""
 
 
-def _load_graph_tokenizer(chat, store, tracking: Tracking):
-    from medgraph.gnn.graph_tokens import load_champion_graph_tokenizer
-
-    return load_champion_graph_tokenizer(chat, store, tracking)
-
-
 def _load_policy(methods: list[str] | tuple[str, ...],
                  tracking: Tracking) -> tuple[dict[str, tuple], dict[str, object]]:
     """Graph-R1 method or ablation -> (PolicyChoice, its chat model or None for the base LLM): `graph-r1`
@@ -134,7 +128,11 @@ def _eval_asset(name: str, methods: tuple[str, ...], model_deps: tuple[dg.AssetK
         store = warehouse.get_warehouse()
         chat = llm.load()
         tracking = mlflow_tracking.tracking()
-        graph_tokenizer = _load_graph_tokenizer(chat, store, tracking) if "a2rag" in name else None
+        graph_tokenizer = None
+        if "a2rag" in name:
+            from medgraph.gnn.graph_tokens import load_champion_graph_tokenizer  # torch-heavy: only when used
+
+            graph_tokenizer = load_champion_graph_tokenizer(chat, store, tracking)
         policies, environment = _load_policy(config.methods or methods, tracking)
         lineage = {"llm": chat.name, "encoder": encoder.load().encoder_id,
                    "hiim": "graph-tokens" if graph_tokenizer is not None else "text-only",
