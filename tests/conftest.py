@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -26,10 +26,36 @@ SHARED_DATA = REPO_ROOT.parent / "shared" / "data"
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    """dagster-dbt needs a current dbt manifest before any module defining dbt assets is imported."""
+    """dagster-dbt needs a current dbt manifest before any module defining dbt assets is imported.
+
+    Under pytest-xdist (`make test TEST_WORKERS=N`) the controller writes it before the workers start;
+    a worker rewriting `dbt/target/manifest.json` while another imports the definitions would race."""
     from platform_assets.dbt_project import prepare_manifest
 
-    prepare_manifest()
+    if not hasattr(config, "workerinput"):
+        prepare_manifest()
+
+
+def built_once(tmp_path_factory: pytest.TempPathFactory, name: str, build: Callable[[Path], None]) -> Path:
+    """The directory `name`, filled by `build(directory)` once per test run, shared by pytest-xdist workers.
+
+    Each xdist worker has its own session fixtures; without this both workers would build the same
+    warehouse (minutes of embedding) at the same time. The first worker builds under a file lock, the
+    others wait and reuse the result. Callers copy it before use: two processes cannot open one DuckDB
+    file for writing, and tests may open read-write."""
+    from filelock import FileLock
+
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # the run's common temp root: each worker's basetemp is `popen-gwN` under it
+    directory = root / f"built-{name}"
+    with FileLock(str(directory) + ".lock"):
+        if not (directory / ".complete").exists():
+            shutil.rmtree(directory, ignore_errors=True)  # a build interrupted by a failure
+            directory.mkdir(parents=True)
+            build(directory)
+            (directory / ".complete").touch()
+    return directory
 
 
 @pytest.fixture(scope="session")
@@ -90,7 +116,9 @@ def run_dbt(home: Path, *args: str) -> None:
     """Run the real dbt CLI on the project against the warehouse under `home`.
 
     In a subprocess, as dagster-dbt does: dbt-duckdb keeps its connection open
-    in-process, which would block the read-only connections tests open later.
+    in-process, which would block the read-only connections tests open later. Its target and log
+    directories are under `home`: the project's `target/manifest.json` is what the definitions load,
+    and tests run in parallel workers.
     """
     import subprocess
     import sys
@@ -98,6 +126,7 @@ def run_dbt(home: Path, *args: str) -> None:
     dbt = Path(sys.executable).parent / "dbt"
     proc = subprocess.run(
         [str(dbt), *args, "--project-dir", str(DBT_PROJECT_DIR), "--profiles-dir", str(DBT_PROJECT_DIR),
+         "--target-path", str(home / "dbt_target"), "--log-path", str(home / "dbt_logs"),
          "--vars", f'{{"warehouse_path": "{home / "warehouse.duckdb"}"}}'],
         capture_output=True, text=True,
     )
@@ -118,11 +147,13 @@ def kg_warehouse(tiny_release: Path, tmp_path_factory: pytest.TempPathFactory) -
     """A warehouse with `umls.*` ingested from the tiny sample release and the dbt KG marts
     (`kg.kg_nodes`, `kg.kg_edges`, `kg.kg_node_text`, `kg.kg_relations`) built. Treat as read-only;
     copy it (`copy_warehouse`) to modify."""
-    home = tmp_path_factory.mktemp("kg_home")
-    warehouse = Warehouse(home / "warehouse.duckdb", Lake(home / "lake"))
-    ingest_release(tiny_release, warehouse)
-    run_dbt(home, "build")
-    return warehouse
+    def build(home: Path) -> None:
+        ingest_release(tiny_release, Warehouse(home / "warehouse.duckdb", Lake(home / "lake")))
+        run_dbt(home, "build")
+
+    built = built_once(tmp_path_factory, "kg_home", build)
+    return copy_warehouse(Warehouse(built / "warehouse.duckdb", Lake(built / "lake")),
+                          tmp_path_factory.mktemp("kg") / "home")
 
 
 def copy_warehouse(warehouse: Warehouse, home: Path) -> Warehouse:
@@ -164,9 +195,12 @@ def gat_warehouse(kg_warehouse: Warehouse, encoder, tmp_path_factory: pytest.Tem
     """The tiny KG plus `embeddings.node_description_embeddings` (the GAT's node features). Read-only."""
     from medgraph.embed.tables import embed_source
 
-    warehouse = copy_warehouse(kg_warehouse, tmp_path_factory.mktemp("gat") / "home")
-    embed_source(warehouse, "node_description_embeddings", encoder)
-    return warehouse
+    def build(home: Path) -> None:
+        embed_source(copy_warehouse(kg_warehouse, home), "node_description_embeddings", encoder)
+
+    built = built_once(tmp_path_factory, "gat_home", build)
+    return copy_warehouse(Warehouse(built / "warehouse.duckdb", Lake(built / "lake")),
+                          tmp_path_factory.mktemp("gat") / "home")
 
 
 @pytest.fixture(scope="session")
@@ -176,15 +210,19 @@ def retrieval_warehouse(gat_warehouse: Warehouse, encoder, tmp_path_factory: pyt
     from medgraph.embed.tables import EMBEDDING_SOURCES, embed_source, embed_table
     from medgraph.text.corpus import build_corpus_chunks
 
-    warehouse = copy_warehouse(gat_warehouse, tmp_path_factory.mktemp("retrieval") / "home")
-    build_corpus_chunks(warehouse)
-    for target in ("node_embeddings", "chunk_embeddings"):
-        embed_source(warehouse, target, encoder)
-    # Only the drug edges (~500 of ~22k): enough to test edge search, and seconds instead of minutes.
-    edges = EMBEDDING_SOURCES["edge_embeddings"]
-    embed_table(warehouse, edges.sql + " WHERE e.sab = 'MGDRUG'", "edge_embeddings", encoder,
-                id_column=edges.id_column, text_column=edges.text_column)
-    return warehouse
+    def build(home: Path) -> None:
+        warehouse = copy_warehouse(gat_warehouse, home)
+        build_corpus_chunks(warehouse)
+        for target in ("node_embeddings", "chunk_embeddings"):
+            embed_source(warehouse, target, encoder)
+        # Only the drug edges (~500 of ~22k): enough to test edge search, and seconds instead of minutes.
+        edges = EMBEDDING_SOURCES["edge_embeddings"]
+        embed_table(warehouse, edges.sql + " WHERE e.sab = 'MGDRUG'", "edge_embeddings", encoder,
+                    id_column=edges.id_column, text_column=edges.text_column)
+
+    built = built_once(tmp_path_factory, "retrieval_home", build)
+    return copy_warehouse(Warehouse(built / "warehouse.duckdb", Lake(built / "lake")),
+                          tmp_path_factory.mktemp("retrieval") / "home")
 
 
 @pytest.fixture(scope="module")
