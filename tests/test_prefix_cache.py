@@ -18,7 +18,7 @@ from test_methods import E2E_CONFIGS
 from medgraph.eval.evaluate import summarize
 from medgraph.eval.questions import QaItem
 from medgraph.llm import GenerationConfig, assistant, system, user
-from medgraph.llm.hf import PrefixCache, TransformersChatModel, _Row
+from medgraph.llm.hf import SHARED_PREFIX_MIN, PrefixCache, TransformersChatModel, _Row
 from medgraph.methods import METHODS, KnowledgeTools, make_config, run_method, trace_rows
 from medgraph.retrieval import Retriever
 from medgraph.storage import Warehouse
@@ -94,6 +94,27 @@ def test_the_same_prompt_twice_computes_only_its_last_token(cached, uncached):
     second = cached.generate([conversation], GREEDY)[0]
     assert second.prompt_tokens_computed == 1 and second.text == first.text
     assert _replies([second]) == _replies(uncached.generate([conversation], GREEDY))
+
+
+def test_a_start_shared_by_the_rows_of_one_call_is_computed_once(cached, uncached):
+    cached.clear_prefix_cache()
+    preamble = system("You are a careful medical assistant. Think briefly, then give the letter of the best "
+                      "option only. Never invent options that were not given. " * 2)
+    asked = [[preamble, user(question)] for question in
+             ("Which organ filters blood?", "Name a drug that may treat hypertension.", "What does insulin regulate?")]
+    with_cache = cached.generate(asked, GREEDY)
+    assert _replies(with_cache) == _replies(uncached.generate(asked, GREEDY))
+    keys = [cached.prefix_cache.key(cached._row(conversation, None)) for conversation in asked]
+    shared = min(PrefixCache._common_prefix(keys[0], key) for key in keys[1:])
+    assert shared >= SHARED_PREFIX_MIN
+    # The preamble once, then each row its own question: what the model ran, and nothing left uncounted.
+    sent = sum(c.prompt_tokens for c in with_cache)
+    assert sum(c.prompt_tokens_computed for c in with_cache) == sent - 2 * shared
+    # GRPO's G copies of one prompt: all but the last token once, then that token per copy.
+    cached.clear_prefix_cache()
+    copies = cached.generate([asked[0]] * 4, GREEDY)
+    assert len({c.text for c in copies}) == 1 and copies[0].text == with_cache[0].text
+    assert sum(c.prompt_tokens_computed for c in copies) == copies[0].prompt_tokens - 1 + 4
 
 
 def test_graph_token_rows_reuse_only_a_prefix_with_the_same_graph_tokens(cached, uncached):

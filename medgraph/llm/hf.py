@@ -142,6 +142,20 @@ class _Row:
         return len(self.before) + graph + len(self.after or ())
 
 
+def _head(row: _Row, length: int) -> _Row:
+    """The first `length` positions of a row (graph tokens count one position each)."""
+    if row.graph is None or length <= len(row.before):
+        return _Row(row.before[:length])
+    in_graph = length - len(row.before)
+    if in_graph <= row.graph.shape[0]:
+        return _Row(row.before, row.graph[:in_graph], [])
+    return _Row(row.before, row.graph, (row.after or [])[:in_graph - row.graph.shape[0]])
+
+
+# A start that several rows of one call share is prefilled once for them when it is at least this long: a
+# shorter one costs about as much as the extra forward call saves.
+SHARED_PREFIX_MIN = 32
+
 # Graph tokens have no token ids: in cache keys they are negative ids, one per (graph-token tensor
 # content, position in it), so a cached prefix matches across graph tokens only when they are the same.
 _GRAPH_ID_STRIDE = 1 << 20
@@ -405,11 +419,47 @@ class TransformersChatModel(ChatModel):
         with torch.random.fork_rng(devices=devices):
             if config.temperature > 0 and config.seed is not None:
                 torch.manual_seed(config.seed)
+            seeded = self._prefill_shared_prefixes(rows)
             reuse = self._cached_prefixes(rows)
             cache, mask, logits = self._prefill(rows, reuse)
             new_tokens = self._decode(rows, cache, mask, logits, config, reuse)
-        return [(*self._finish(row, tokens, config), len(row) - used.length)
-                for row, tokens, used in zip(rows, new_tokens, reuse, strict=True)]
+        return [(*self._finish(row, tokens, config), len(row) - used.length + extra)
+                for row, tokens, used, extra in zip(rows, new_tokens, reuse, seeded, strict=True)]
+
+    def _prefill_shared_prefixes(self, rows: list[_Row]) -> list[int]:
+        """Prefill once what several rows of this call start with, into the prefix cache; per row, its share
+        of the tokens that cost (so that `prompt_tokens_computed` still adds up to what the model ran).
+
+        Rows of one call often share a long start: a method's system prompt and demonstrations across its
+        questions, GRPO's G copies of one prompt. Without this each row would compute it (the cache is looked
+        up before the call). Shortest shared start first, so that a longer one continues a shorter one.
+        """
+        shares = [0] * len(rows)
+        if self.prefix_cache is None or len(rows) < 2:
+            return shares
+        keys = [self.prefix_cache.key(row) for row in rows]
+        starts: dict[tuple[int, ...], list[int]] = {}  # a shared start -> the rows that begin with it
+        for i, key in enumerate(keys):
+            # Each row keeps at least its last token to compute (its next-token logits come from it).
+            length = min(max(PrefixCache._common_prefix(key, other) for j, other in enumerate(keys) if j != i),
+                         len(key) - 1)
+            if length >= SHARED_PREFIX_MIN:
+                starts.setdefault(tuple(key[:length].tolist()), []).append(i)
+        for start in sorted(starts, key=len):
+            key = torch.tensor(start, dtype=torch.long)
+            entry, cached = self.prefix_cache.longest_prefix(key, len(start))
+            if len(start) - cached < SHARED_PREFIX_MIN:
+                continue
+            head = _head(rows[starts[start][0]], len(start))
+            prefilled, _, _ = self._prefill([head], [_Reuse(key, entry, cached)])
+            self.prefix_cache.add(key, [(layer.keys, layer.values) for layer in prefilled.layers],
+                                  served_by=(entry, cached))
+            sharing = [i for i, other in enumerate(keys) if len(other) > len(start)
+                       and PrefixCache._common_prefix(key, other) == len(start)]
+            cost, first = divmod(len(start) - cached, len(sharing))
+            for rank, i in enumerate(sharing):
+                shares[i] += cost + (rank < first)
+        return shares
 
     def _cached_prefixes(self, rows: list[_Row]) -> list[_Reuse]:
         """Each row's longest cached prefix; at least its last token is left to compute (for its logits)."""
