@@ -149,7 +149,7 @@ class ProjectorConfig:
 # ~10x the old question-only prompt's, so the CPU profiles take fewer, smaller steps and validate at the end only.
 PROJECTOR_PROFILES = {
     "tiny": ProjectorConfig(steps=6, batch_size=2, train_items=16, valid_items=8, eval_every=6, distractors=4),
-    "demo": ProjectorConfig(steps=10, batch_size=4, train_items=40, valid_items=16, eval_every=10, progress=True),
+    "demo": ProjectorConfig(steps=6, batch_size=4, train_items=40, valid_items=16, eval_every=6, progress=True),
     "full": ProjectorConfig(steps=2000, batch_size=16, train_items=None, valid_items=500, eval_every=250,
                             progress=True),
 }
