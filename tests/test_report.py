@@ -18,7 +18,8 @@ def summary(method: str, accuracy: float, **extra: float) -> dict[str, object]:
 def test_report_compares_ablations_with_their_method_and_shows_gsrm_recall(tmp_path: Path):
     summaries = [summary("a2rag", 0.5, **{"gsrm_recall/iter0": 0.25, "gsrm_recall/iter1": 0.75,
                                           "routing_share/KG-only": 1.0}),
-                 summary("a2rag-no-hiim", 0.375), summary("sema-rag-no-e-agent", 0.25)]
+                 {**summary("a2rag-no-hiim", 0.375), "prompt_tokens_computed": 300.0},
+                 summary("sema-rag-no-e-agent", 0.25)]
     lineage = {"release fingerprint": "0123abcd", "LLM": "smollm2-135m-instruct"}
     results = [{"method": m, "dataset": "kgqa_mc", "qid": f"q{i}", "correct": c, "latency_s": 1.0}
                for m, outcomes in (("a2rag", [1, 1, 1, 1, 0, 0, 0, 0]), ("a2rag-no-hiim", [1, 1, 1, 0, 0, 0, 0, 0]))
@@ -33,6 +34,10 @@ def test_report_compares_ablations_with_their_method_and_shows_gsrm_recall(tmp_p
     assert "cannot separate differences that matter" in markdown.split("## Accuracy")[0]
     assert "gsrm_recall/iter1" in markdown and "0.750" in markdown
     assert "| release fingerprint | 0123abcd |" in markdown
+    # Prompt tokens sent and computed (a prefix cache served the rest); a summary without the column: all computed.
+    cost = markdown.split("## Latency and token cost")[1].split("##")[0]
+    assert "| a2rag-no-hiim | kgqa_mc | 900.000 | 300.000 | 40.000 |" in cost
+    assert "| a2rag | kgqa_mc | 900.000 | 900.000 | 40.000 |" in cost
     html = paths["html"].read_text(encoding="utf-8")
     assert html.count("data:image/png;base64,") >= 3  # accuracy, cost, routing, reward curve plots inlined
 
