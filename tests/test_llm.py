@@ -116,21 +116,30 @@ def test_stop_string_ends_the_reply_before_it(smollm2: TransformersChatModel) ->
 
 
 def test_finished_rows_leave_the_decode_batch(smollm2: TransformersChatModel) -> None:
-    # Prompts are prefilled without padding (equal lengths together), then decoded as one batch that shrinks as
-    # rows end: the stopped row costs no further compute, and the others still match their one-at-a-time replies.
+    # Prompts are prefilled without padding (the two copies of one prompt compute it once, as a shared start, then
+    # their last token together), then decoded as one batch that shrinks as rows end: the stopped row costs no
+    # further compute, and the others still match their one-at-a-time replies.
     conversations = [[user("Say hello.")], PROMPTS[0], PROMPTS[0]]
     smollm2.clear_prefix_cache()  # earlier tests asked the same: every prompt token is computed again
-    batch_sizes: list[tuple[int, int]] = []
-    hook = smollm2.model.register_forward_pre_hook(
-        lambda module, args, kwargs: batch_sizes.append(tuple(kwargs["input_ids" if kwargs.get("input_ids") is not None
-                                                                  else "inputs_embeds"].shape[:2])),
-        with_kwargs=True)
+    calls: list[tuple[str, int, int]] = []  # prefill (inputs_embeds) or decode (input_ids), rows, length
+
+    def record(module, args, kwargs) -> None:
+        decoding = kwargs.get("input_ids") is not None
+        calls.append(("decode" if decoding else "prefill",
+                      *kwargs["input_ids" if decoding else "inputs_embeds"].shape[:2]))
+
+    hook = smollm2.model.register_forward_pre_hook(record, with_kwargs=True)
     try:
         replies = smollm2.generate(conversations, GREEDY.but(stop=(",",)))
     finally:
         hook.remove()
-    prefill, decode = batch_sizes[:2], batch_sizes[2:]
-    assert sorted(size for size, _ in prefill) == [1, 2] and all(length > 1 for _, length in prefill)
+    prefill = [(rows, length) for kind, rows, length in calls if kind == "prefill"]
+    decode = [(rows, length) for kind, rows, length in calls if kind == "decode"]
+    # No padding: the prefill calls ran exactly the prompt tokens the replies say were computed.
+    assert sum(rows * length for rows, length in prefill) == sum(r.prompt_tokens_computed for r in replies)
+    # The copies: all but the last token once, then that token each (n + 1 computed for 2 x n sent).
+    assert (2, 1) in prefill
+    assert replies[1].prompt_tokens_computed + replies[2].prompt_tokens_computed == replies[1].prompt_tokens + 1
     assert all(length == 1 for _, length in decode)
     assert decode[0][0] == 3 and decode[-1][0] == 2  # "Hello there" stopped after 2 tokens; the others went on
     assert replies[0].text == "Hello there"
