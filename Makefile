@@ -44,9 +44,9 @@ $(DAGSTER_HOME)/dagster.yaml: deploy/local/dagster.yaml
 	cp $< $@
 
 # TEST_WORKERS=N runs the suite in N pytest-xdist processes (whole files per worker; the expensive session
-# warehouses are built once for all workers). On 2 cores it buys little: the suite is CPU-bound (a quiet
-# 2-worker run took 1,088 s and 16% more CPU time; one process took 1,165 s the day before, on a machine ~4%
-# slower), so the default is one process.
+# warehouses are built once for all workers). On 2 cores it buys nothing: the suite is CPU-bound (quiet
+# fresh-clone runs the same day: 2 workers 1,088 s with 16% more CPU time, one process 1,093 s), so the default
+# is one process.
 TEST_WORKERS ?= 0
 test: install
 	$(BIN)/pytest -n $(TEST_WORKERS) --dist loadfile
