@@ -36,12 +36,13 @@ def pytest_configure(config: pytest.Config) -> None:
         prepare_manifest()
 
 
-def built_once(tmp_path_factory: pytest.TempPathFactory, name: str, build: Callable[[Path], None]) -> Path:
-    """The directory `name`, filled by `build(directory)` once per test run, shared by pytest-xdist workers.
+def built_once(tmp_path_factory: pytest.TempPathFactory, name: str, build: Callable[[Path], None]) -> Warehouse:
+    """A private copy of the warehouse home `name`, which `build(home)` fills once per test run for all
+    pytest-xdist workers.
 
     Each xdist worker has its own session fixtures; without this both workers would build the same
     warehouse (minutes of embedding) at the same time. The first worker builds under a file lock, the
-    others wait and reuse the result. Callers copy it before use: two processes cannot open one DuckDB
+    others wait and reuse the result. Each caller gets its own copy: two processes cannot open one DuckDB
     file for writing, and tests may open read-write."""
     from filelock import FileLock
 
@@ -55,7 +56,8 @@ def built_once(tmp_path_factory: pytest.TempPathFactory, name: str, build: Calla
             directory.mkdir(parents=True)
             build(directory)
             (directory / ".complete").touch()
-    return directory
+    return copy_warehouse(Warehouse(directory / "warehouse.duckdb", Lake(directory / "lake")),
+                          tmp_path_factory.mktemp(name) / "home")
 
 
 @pytest.fixture(scope="session")
@@ -151,9 +153,7 @@ def kg_warehouse(tiny_release: Path, tmp_path_factory: pytest.TempPathFactory) -
         ingest_release(tiny_release, Warehouse(home / "warehouse.duckdb", Lake(home / "lake")))
         run_dbt(home, "build")
 
-    built = built_once(tmp_path_factory, "kg_home", build)
-    return copy_warehouse(Warehouse(built / "warehouse.duckdb", Lake(built / "lake")),
-                          tmp_path_factory.mktemp("kg") / "home")
+    return built_once(tmp_path_factory, "kg", build)
 
 
 def copy_warehouse(warehouse: Warehouse, home: Path) -> Warehouse:
@@ -198,9 +198,7 @@ def gat_warehouse(kg_warehouse: Warehouse, encoder, tmp_path_factory: pytest.Tem
     def build(home: Path) -> None:
         embed_source(copy_warehouse(kg_warehouse, home), "node_description_embeddings", encoder)
 
-    built = built_once(tmp_path_factory, "gat_home", build)
-    return copy_warehouse(Warehouse(built / "warehouse.duckdb", Lake(built / "lake")),
-                          tmp_path_factory.mktemp("gat") / "home")
+    return built_once(tmp_path_factory, "gat", build)
 
 
 @pytest.fixture(scope="session")
@@ -220,9 +218,7 @@ def retrieval_warehouse(gat_warehouse: Warehouse, encoder, tmp_path_factory: pyt
         embed_table(warehouse, edges.sql + " WHERE e.sab = 'MGDRUG'", "edge_embeddings", encoder,
                     id_column=edges.id_column, text_column=edges.text_column)
 
-    built = built_once(tmp_path_factory, "retrieval_home", build)
-    return copy_warehouse(Warehouse(built / "warehouse.duckdb", Lake(built / "lake")),
-                          tmp_path_factory.mktemp("retrieval") / "home")
+    return built_once(tmp_path_factory, "retrieval", build)
 
 
 @pytest.fixture(scope="module")

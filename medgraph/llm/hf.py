@@ -438,19 +438,19 @@ class TransformersChatModel(ChatModel):
         if self.prefix_cache is None or len(rows) < 2:
             return shares
         keys = [self.prefix_cache.key(row) for row in rows]
-        starts: dict[tuple[int, ...], list[int]] = {}  # a shared start -> the rows that begin with it
+        starts: dict[tuple[int, ...], int] = {}  # a shared start -> the first row that begins with it
         for i, key in enumerate(keys):
             # Each row keeps at least its last token to compute (its next-token logits come from it).
             length = min(max(PrefixCache._common_prefix(key, other) for j, other in enumerate(keys) if j != i),
                          len(key) - 1)
             if length >= SHARED_PREFIX_MIN:
-                starts.setdefault(tuple(key[:length].tolist()), []).append(i)
+                starts.setdefault(tuple(key[:length].tolist()), i)
         for start in sorted(starts, key=len):
             key = torch.tensor(start, dtype=torch.long)
             entry, cached = self.prefix_cache.longest_prefix(key, len(start))
             if len(start) - cached < SHARED_PREFIX_MIN:
                 continue
-            head = _head(rows[starts[start][0]], len(start))
+            head = _head(rows[starts[start]], len(start))
             prefilled, _, _ = self._prefill([head], [_Reuse(key, entry, cached)])
             self.prefix_cache.add(key, [(layer.keys, layer.values) for layer in prefilled.layers],
                                   served_by=(entry, cached))
