@@ -349,11 +349,11 @@ def sema_reply(judgments: Sequence[str]):
     judged = iter(judgments)
 
     def reply(conversation: Conversation) -> str:
-        system_prompt, last = conversation[0].content, conversation[-1].content
-        if "structured search schemas" in system_prompt:
+        last = conversation[-1].content
+        if "Task (schema writer)" in last:
             return ('{"intent": "treatment", "entities": ["Hypertension"], "constraints": ["adults"], '
                     '"query": "drugs that treat hypertension"}')
-        if "evidence reviewer" in system_prompt:
+        if "Task (evidence reviewer)" in last:
             return next(judged)
         if "evidence report" in last:
             return "Sources [1] and [2] agree that amlodipine treats hypertension; [99] is not a source."
@@ -380,6 +380,25 @@ def test_sema_rag_that_is_never_satisfied_stops_at_max_rounds(tools: KnowledgeTo
     assert not result.stats["early_stop"] and result.stats["sufficiency"] == [False, False]
     retrieves = [s for s in result.steps if s.action == "retrieve"]
     assert [s.arguments["queries"] for s in retrieves[1:]] == [["amlodipine question 0"], ["amlodipine question 1"]]
+
+
+def test_sema_rag_agents_share_one_growing_context_so_each_call_continues_the_last(tools: KnowledgeTools):
+    """The layout the prefix cache needs: one system prompt, the question and the evidence first, the agent's
+    task last, so a later agent's prompt starts with everything an earlier one read before its task."""
+    judgments = [json.dumps({"sufficient": False, "gap": "more", "queries": [f"amlodipine question {i}"]})
+                 for i in range(2)]
+    llm = ScriptedChatModel(sema_reply(judgments))
+    (result,) = run_method("sema-rag", [TREAT], tools, llm, make_config("sema-rag", {"max_rounds": 3}))
+    (i_call,), (e1,), (e2,), (report,), (answer,) = llm.calls
+    assert len({c[0].content for c in (i_call, e1, e2, report, answer)}) == 1  # the team's system prompt
+
+    def context(conversation):  # the user message without the agent's task
+        return conversation[1].content.rsplit("\n\nTask (", 1)[0].split("\n\nSchema: ")[0]
+    question = i_call[1].content.split("\n\nTask (")[0]
+    assert context(e1).startswith(question + "\n\nEvidence:\n[1] ")
+    assert context(e2).startswith(context(e1)) and len(context(e2)) > len(context(e1))  # round 2 appended
+    assert context(report).startswith(context(e2)) and len(context(report)) > len(context(e2))  # round 3: A only
+    assert answer[:2] == report and result.stats["rounds"] == 3  # the answer continues the report's conversation
 
 
 def test_sema_rag_without_early_stop_keeps_searching_after_a_sufficient_judgment(tools: KnowledgeTools):

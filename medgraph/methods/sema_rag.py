@@ -13,6 +13,15 @@
 Ablations are configuration: without the I-Agent the question itself is the
 query; without the E-Agent there is one retrieval round; without the A-Agent
 the answer is given straight from the evidence.
+
+Prompt layout: the agents are separate calls that see what the method says
+they see (the E-Agent the evidence and the schema, the A-Agent the evidence),
+but every call starts with the same team system prompt and the same context
+block (question, then the numbered evidence, which only ever grows at its
+end) and puts the agent's task last. So each call continues the keys/values
+of the previous one in the LLM's prefix cache and computes only what is new
+(the next round's sources, the agent's task), instead of re-reading the
+question and all evidence once per agent.
 """
 
 from __future__ import annotations
@@ -204,8 +213,11 @@ class _Retrieval:
 
 # --------------------------------------------------------------------------- prompts
 
-I_SYSTEM = "You are a clinical information specialist. You turn questions into structured search schemas."
-I_INSTRUCTION = ('Describe what the question asks as a clinical schema. Reply with JSON only:\n'
+# One system prompt for the team, the agent's task last: see the module docstring (prefix caching).
+SYSTEM = ("You are one agent of a clinical question-answering team. The schema writer turns a question into a "
+          "search schema, the evidence reviewer judges whether the retrieved evidence is enough, and the clinician "
+          "weighs the evidence and answers. Do the task given at the end of the message.")
+I_INSTRUCTION = ('Task (schema writer): describe what the question asks as a clinical schema. Reply with JSON only:\n'
                  '{"intent": "what is asked, e.g. treatment, diagnosis, mechanism", '
                  '"entities": ["medical concepts in the question"], '
                  '"constraints": ["conditions the answer must meet"], '
@@ -216,14 +228,17 @@ I_DEMONSTRATION = (
     assistant('{"intent": "treatment", "entities": ["gout", "allopurinol", "insulin"], "constraints": [], '
               '"query": "drugs that treat gout"}'),
 )
-E_SYSTEM = "You are an evidence reviewer. You decide whether retrieved evidence is enough to answer a question."
-E_INSTRUCTION = ('Is the evidence sufficient to answer the question? Reply with JSON only:\n'
+E_INSTRUCTION = ('Task (evidence reviewer): is the evidence sufficient to answer the question? Reply with JSON only:\n'
                  '{"sufficient": true or false, "gap": "what is missing", '
                  '"queries": ["follow-up search queries for the gap"]}')
-A_SYSTEM = "You are a careful clinician. You weigh evidence before you answer."
-A_REPORT = ("Write a short evidence report: which sources agree, which conflict, and what they say about each "
-            "option. Cite sources by their numbers, like [1], [3].")
-ANSWER_SYSTEM = "You are a medical expert. Answer the question; use the evidence when it is relevant."
+A_REPORT = ("Task (clinician): write a short evidence report: which sources agree, which conflict, and what they say "
+            "about each option. Cite sources by their numbers, like [1], [3].")
+
+
+def _context(item: QaItem, evidence: _Evidence | None = None) -> str:
+    """The block every agent's message starts with: the question, then the evidence so far."""
+    question = format_question(item)
+    return question if evidence is None else f"{question}\n\nEvidence:\n{evidence.render()}"
 
 
 class SemaRag:
@@ -253,11 +268,10 @@ class SemaRag:
     def episode(self, item: QaItem) -> Episode:
         config = self.config
         steps: list[Step] = []
-        question = format_question(item)
         schema = ClinicalSchema("", (), (), item.question, parsed=False)
         if config.use_i_agent:
             demonstration = list(I_DEMONSTRATION) if config.demonstration else []
-            conversation = [system(I_SYSTEM), *demonstration, user(f"{question}\n\n{I_INSTRUCTION}")]
+            conversation = [system(SYSTEM), *demonstration, user(f"{_context(item)}\n\n{I_INSTRUCTION}")]
             completion = yield Generate(conversation, self.generation)
             schema = parse_schema(completion.text, item)
             steps.append(step_from_completion(len(steps), "i_agent", completion, {"schema": schema.describe()},
@@ -279,8 +293,8 @@ class SemaRag:
             if round_index == config.max_rounds:
                 stop = "max_rounds"
                 break
-            prompt = f"{question}\n\nSchema: {schema.describe()}\n\nEvidence:\n{evidence.render()}\n\n{E_INSTRUCTION}"
-            completion = yield Generate([system(E_SYSTEM), user(prompt)], self.generation)
+            prompt = f"{_context(item, evidence)}\n\nSchema: {schema.describe()}\n\n{E_INSTRUCTION}"
+            completion = yield Generate([system(SYSTEM), user(prompt)], self.generation)
             judgment = parse_judgment(completion.text)
             sufficiency.append(judgment.sufficient)
             steps.append(step_from_completion(len(steps), "e_agent", completion,
@@ -307,11 +321,11 @@ class SemaRag:
     def _answer(self, item: QaItem, evidence: _Evidence, steps: list[Step],
                 stats: dict[str, object]) -> Generator[Request, Any, FinalReply]:
         """A-Agent: an evidence report, then one option; without it, a direct answer from the evidence."""
-        context = f"{format_question(item)}\n\nEvidence:\n{evidence.render()}"
+        context = _context(item, evidence)
         if not self.config.use_a_agent:
-            conversation = [system(ANSWER_SYSTEM), user(f"{context}\n\n{answer_instruction(item)}")]
+            conversation = [system(SYSTEM), user(f"{context}\n\n{answer_instruction(item)}")]
             return (yield from answer_call(item, conversation, self.generation, steps))
-        conversation = [system(A_SYSTEM), user(f"{context}\n\n{A_REPORT}")]
+        conversation = [system(SYSTEM), user(f"{context}\n\n{A_REPORT}")]
         report = yield Generate(conversation, self.generation)
         cited = sorted({int(n) for n in re.findall(r"\[(\d+)\]", report.text) if 0 < int(n) <= len(evidence.ids)})
         stats["cited_sources"] = cited
