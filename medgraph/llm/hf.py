@@ -283,7 +283,7 @@ class TransformersChatModel(ChatModel):
 
     def __init__(self, model_dir: str | Path, *, name: str | None = None, device: str = "auto",
                  dtype: str | torch.dtype | None = None, max_batch_size: int = 16, prefix_cache: bool = True,
-                 prefix_cache_mb: int = 1024):
+                 prefix_cache_mb: int = 2048):
         model_dir = Path(model_dir).expanduser().resolve()
         if not (model_dir / "config.json").is_file():
             raise FileNotFoundError(f"{model_dir} is not a Hugging Face model directory (no config.json in it)")
