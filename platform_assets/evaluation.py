@@ -148,7 +148,7 @@ def _eval_asset(name: str, methods: tuple[str, ...], model_deps: tuple[dg.AssetK
         with Retriever(store, encoder.load()) as retriever, \
                 mlflow_tracking.start_asset_run(context, inputs, run_name=f"{name}-{dataset}") as run:
             mlflow.set_tags({"dataset": dataset, **{f"lineage/{k}": v for k, v in lineage.items()}})
-            tools = KnowledgeTools(retriever)
+            tools = KnowledgeTools.with_home_cache(retriever, home)
             for method in config.methods or methods:
                 choice, policy = policies.get(method, (None, None))
                 if choice is not None and choice.source is None:  # e.g. SFT-only without an SFT champion

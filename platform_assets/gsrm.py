@@ -62,7 +62,7 @@ def gsrm_params(context: dg.AssetExecutionContext, config: GsrmSweepConfig, ware
     items = _items(home, "validation", config.limit)
     with Retriever(warehouse.get_warehouse(), encoder.load()) as retriever, \
             mlflow_tracking.start_asset_run(context, PARAMS_INPUTS) as run:
-        sweep = sweep_gsrm(KnowledgeTools(retriever), items, config.taus, config.iterations, config.top_ns,
+        sweep = sweep_gsrm(KnowledgeTools.with_home_cache(retriever, home), items, config.taus, config.iterations, config.top_ns,
                            config.max_triples_per_relation, config.batch_size, progress=context.log.info)
         choice = choose_gsrm_params(sweep.points)
         path = write_gsrm_params(home, choice, sweep)
@@ -106,7 +106,7 @@ def gsrm_recall(context: dg.AssetExecutionContext, config: GsrmRecallConfig, war
     store = warehouse.get_warehouse()
     hub_guard = params.get("max_triples_per_relation", A2RagConfig.max_triples_per_relation)  # as tuned
     with Retriever(store, encoder.load()) as retriever:
-        curves = gsrm_recall_curves(KnowledgeTools(retriever), items, tau,
+        curves = gsrm_recall_curves(KnowledgeTools.with_home_cache(retriever, home), items, tau,
                                     max(int(params["iterations"]), config.min_iterations),
                                     sorted({RECALL_CUTOFF, top_n}), hub_guard, config.batch_size,
                                     progress=context.log.info)

@@ -96,8 +96,14 @@ def gsrm_recall_curves(tools: KnowledgeTools, items: Sequence[QaItem], tau: floa
             curves.append(ItemCurve(item.qid, item.dataset, int(item.extra.get("hops") or 0), recall))
         if progress is not None:
             progress(f"GSRM recall tau={tau} K={iterations}: {len(curves)}/{len(items)} items, "
-                     f"{tools.triples_encoded} triples encoded, {time.perf_counter() - started:.0f}s")
+                     f"{tools.triples_encoded} triples encoded{_cache_note(tools)}, "
+                     f"{time.perf_counter() - started:.0f}s")
     return curves
+
+
+def _cache_note(tools: KnowledgeTools) -> str:
+    cache = tools.vector_cache
+    return "" if cache is None else f" ({cache.hits} read from the vector cache)"
 
 
 def link_entities(tools: KnowledgeTools, items: Sequence[QaItem], batch_size: int = 64) -> list[list[str]]:

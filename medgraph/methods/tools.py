@@ -20,10 +20,12 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
 from medgraph.embed.encoder import Encoder
+from medgraph.embed.vector_cache import TextVectorCache, home_vector_cache
 from medgraph.eval.questions import QaItem
 from medgraph.kg.graph import Triple
 from medgraph.retrieval import Retriever, SearchMode
@@ -48,14 +50,22 @@ class KnowledgeTools:
     """Entity linking, triple vectors and evidence retrieval over one Retriever (batched)."""
 
     def __init__(self, retriever: Retriever, min_fuzzy_score: float = 0.9, max_entities: int = 12,
-                 fallback_concepts: int = 3):
+                 fallback_concepts: int = 3, vector_cache: TextVectorCache | None = None):
         self.retriever = retriever
+        self.vector_cache = vector_cache  # triple vectors encoded by earlier runs (see vector_cache.py)
         self.min_fuzzy_score = min_fuzzy_score
         self.max_entities = max_entities
         self.fallback_concepts = fallback_concepts  # dense node hits when a question names no concept
         self._dictionary: ConceptDictionary | None = None
         self._triple_vectors: dict[str, np.ndarray] = {}
         self.triples_encoded = 0  # triples embedded on the fly (not found in edge_embeddings)
+
+    @classmethod
+    def with_home_cache(cls, retriever: Retriever, home: str | Path) -> KnowledgeTools:
+        """Tools whose triple vectors persist in MEDGRAPH_HOME's vector cache, shared by the assets that
+        grow GSRM subgraphs (tuning, projector, evaluation, recall report)."""
+        return cls(retriever, vector_cache=home_vector_cache(home, retriever.encoder.encoder_id)
+                   if retriever.encoder is not None else None)
 
     @property
     def encoder(self) -> Encoder:
@@ -131,10 +141,16 @@ class KnowledgeTools:
         if missing:
             self._triple_vectors.update(self._stored_edge_vectors([t.edge_id for t in missing]))
             still = [t for t in missing if t.edge_id not in self._triple_vectors]
+            if still and self.vector_cache is not None:
+                cached = self.vector_cache.get("document", [t.text for t in still])
+                self._triple_vectors.update({t.edge_id: v for t, v in zip(still, cached) if v is not None})
+                still = [t for t, v in zip(still, cached) if v is None]
             if still:
                 vectors = self.encoder.encode([t.text for t in still], kind="document")
                 self._triple_vectors.update({t.edge_id: v for t, v in zip(still, vectors)})
                 self.triples_encoded += len(still)
+                if self.vector_cache is not None:
+                    self.vector_cache.put("document", [t.text for t in still], vectors)
         if not triples:
             return np.zeros((0, self.encoder.dim), dtype=np.float32)
         return np.stack([self._triple_vectors[t.edge_id] for t in triples])
