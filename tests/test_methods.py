@@ -350,10 +350,10 @@ def sema_reply(judgments: Sequence[str]):
 
     def reply(conversation: Conversation) -> str:
         last = conversation[-1].content
-        if "Task (schema writer)" in last:
+        if "You are a clinical information specialist" in last:
             return ('{"intent": "treatment", "entities": ["Hypertension"], "constraints": ["adults"], '
                     '"query": "drugs that treat hypertension"}')
-        if "Task (evidence reviewer)" in last:
+        if "You are an evidence reviewer" in last:
             return next(judged)
         if "evidence report" in last:
             return "Sources [1] and [2] agree that amlodipine treats hypertension; [99] is not a source."
@@ -390,11 +390,11 @@ def test_sema_rag_agents_share_one_growing_context_so_each_call_continues_the_la
     llm = ScriptedChatModel(sema_reply(judgments))
     (result,) = run_method("sema-rag", [TREAT], tools, llm, make_config("sema-rag", {"max_rounds": 3}))
     (i_call,), (e1,), (e2,), (report,), (answer,) = llm.calls
-    assert len({c[0].content for c in (i_call, e1, e2, report, answer)}) == 1  # the team's system prompt
+    assert len({c[0].content for c in (i_call, e1, e2, report, answer)}) == 1  # one system prompt for every agent
 
     def context(conversation):  # the user message without the agent's task
-        return conversation[1].content.rsplit("\n\nTask (", 1)[0].split("\n\nSchema: ")[0]
-    question = i_call[1].content.split("\n\nTask (")[0]
+        return conversation[1].content.rsplit("\n\nYou are ", 1)[0].split("\n\nSchema: ")[0]
+    question = i_call[1].content.split("\n\nYou are ")[0]
     assert context(e1).startswith(question + "\n\nEvidence:\n[1] ")
     assert context(e2).startswith(context(e1)) and len(context(e2)) > len(context(e1))  # round 2 appended
     assert context(report).startswith(context(e2)) and len(context(report)) > len(context(e2))  # round 3: A only

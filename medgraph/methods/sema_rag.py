@@ -16,9 +16,9 @@ the answer is given straight from the evidence.
 
 Prompt layout: the agents are separate calls that see what the method says
 they see (the E-Agent the evidence and the schema, the A-Agent the evidence),
-but every call starts with the same team system prompt and the same context
+but every call starts with the same short system prompt and the same context
 block (question, then the numbered evidence, which only ever grows at its
-end) and puts the agent's task last. So each call continues the keys/values
+end) and puts the agent's role and task last. So each call continues the keys/values
 of the previous one in the LLM's prefix cache and computes only what is new
 (the next round's sources, the agent's task), instead of re-reading the
 question and all evidence once per agent.
@@ -213,11 +213,12 @@ class _Retrieval:
 
 # --------------------------------------------------------------------------- prompts
 
-# One system prompt for the team, the agent's task last: see the module docstring (prefix caching).
-SYSTEM = ("You are one agent of a clinical question-answering team. The schema writer turns a question into a "
-          "search schema, the evidence reviewer judges whether the retrieved evidence is enough, and the clinician "
-          "weighs the evidence and answers. Do the task given at the end of the message.")
-I_INSTRUCTION = ('Task (schema writer): describe what the question asks as a clinical schema. Reply with JSON only:\n'
+# One short system prompt for every agent, the agent's role and task last: see the module docstring (prefix
+# caching). The roles open the task, where the separate system prompts used to name them: a long team
+# description in the system prompt made SmolLM2 recite it instead of doing the task.
+SYSTEM = "You are a medical expert."
+I_INSTRUCTION = ('You are a clinical information specialist. Turn the question into a structured search schema: '
+                 'describe what it asks as a clinical schema. Reply with JSON only:\n'
                  '{"intent": "what is asked, e.g. treatment, diagnosis, mechanism", '
                  '"entities": ["medical concepts in the question"], '
                  '"constraints": ["conditions the answer must meet"], '
@@ -228,11 +229,13 @@ I_DEMONSTRATION = (
     assistant('{"intent": "treatment", "entities": ["gout", "allopurinol", "insulin"], "constraints": [], '
               '"query": "drugs that treat gout"}'),
 )
-E_INSTRUCTION = ('Task (evidence reviewer): is the evidence sufficient to answer the question? Reply with JSON only:\n'
+E_INSTRUCTION = ('You are an evidence reviewer. Decide whether the evidence above is enough to answer the question: '
+                 'is it sufficient? Reply with JSON only:\n'
                  '{"sufficient": true or false, "gap": "what is missing", '
                  '"queries": ["follow-up search queries for the gap"]}')
-A_REPORT = ("Task (clinician): write a short evidence report: which sources agree, which conflict, and what they say "
-            "about each option. Cite sources by their numbers, like [1], [3].")
+A_REPORT = ("You are a careful clinician. You weigh evidence before you answer. Write a short evidence report: which "
+            "sources agree, which conflict, and what they say about each option. Cite sources by their numbers, "
+            "like [1], [3].")
 
 
 def _context(item: QaItem, evidence: _Evidence | None = None) -> str:
