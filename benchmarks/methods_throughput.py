@@ -35,10 +35,7 @@ METHODS = ("cot", "rag", "irag", "a2rag", "graph-r1", "sema-rag")
 
 
 def _run(method, items, tools, llm, config, batch_size):
-    """Results and wall time of one run, from an empty prefix cache (no reuse of an earlier run's prompts)."""
-    clear = getattr(llm, "clear_prefix_cache", None)
-    if clear is not None:
-        clear()
+    """Results and wall time of one run (`run_method` starts it with an empty prefix cache)."""
     started = time.perf_counter()
     results = run_method(method, items, tools, llm, config, batch_size=batch_size)
     return results, time.perf_counter() - started

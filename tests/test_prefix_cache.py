@@ -198,3 +198,16 @@ def test_every_method_gives_the_same_answers_with_the_cache_and_computes_fewer_p
         assert computed < sent * 0.8
     (summary,) = summarize(with_cache)
     assert summary.prompt_tokens_computed == pytest.approx(computed / len(items))
+
+
+def test_each_method_run_starts_with_an_empty_cache_so_its_computed_tokens_are_its_own(
+        tools: KnowledgeTools, cached):
+    """An ablation evaluated after its full method sends largely the same prompts; reusing them would credit
+    the ablation with the full method's prefill (its computed tokens and latency)."""
+    items = [TREAT, FABRY_SEIZURE]
+    config = make_config("rag", CONFIGS.get("rag", {"max_new_tokens": 16}))
+    first = run_method("rag", items, tools, cached, config, batch_size=len(items))
+    second = run_method("rag", items, tools, cached, config, batch_size=len(items))
+    # Reused, the second run's identical prompts would cost one token each.
+    assert [r.prompt_tokens_computed for r in second] == [r.prompt_tokens_computed for r in first]
+    assert all(r.prompt_tokens_computed > 1 for r in second)

@@ -102,6 +102,9 @@ class ChatModel(abc.ABC):
     def complete(self, conversation: Conversation, config: GenerationConfig | None = None) -> Completion:
         return self.generate([conversation], config)[0]
 
+    def clear_prefix_cache(self) -> None:
+        """Forget cached prompts (the in-process backend's prefix cache); nothing to do elsewhere."""
+
     def close(self) -> None:
         """Release whatever the backend holds (a model in memory, an HTTP session)."""
 

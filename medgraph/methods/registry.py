@@ -136,12 +136,15 @@ def run_method(name: str, items: Sequence[QaItem], retriever: Retriever | Knowle
     """Answer `items` with a method (or named ablation), `batch_size` questions in lockstep at a time.
 
     Pass a `KnowledgeTools` instead of a Retriever to share its caches (concept dictionary,
-    triple vectors) across several runs.
+    triple vectors) across several runs. The LLM's prefix cache is not shared: each run starts
+    with it empty, so a method's prompt tokens computed and its latency are its own (an ablation
+    run after its full method would otherwise reuse the full method's prompts).
     """
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     tools = retriever if isinstance(retriever, KnowledgeTools) else KnowledgeTools(retriever)
     method = build_method(name, tools, llm, config, graph_tokenizer)
+    llm.clear_prefix_cache()
     results: list[MethodResult] = []
     for start in range(0, len(items), batch_size):
         batch = items[start:start + batch_size]
