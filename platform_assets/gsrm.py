@@ -62,8 +62,9 @@ def gsrm_params(context: dg.AssetExecutionContext, config: GsrmSweepConfig, ware
     items = _items(home, "validation", config.limit)
     with Retriever(warehouse.get_warehouse(), encoder.load()) as retriever, \
             mlflow_tracking.start_asset_run(context, PARAMS_INPUTS) as run:
-        sweep = sweep_gsrm(KnowledgeTools.with_home_cache(retriever, home), items, config.taus, config.iterations, config.top_ns,
-                           config.max_triples_per_relation, config.batch_size, progress=context.log.info)
+        sweep = sweep_gsrm(KnowledgeTools.with_home_cache(retriever, home), items, config.taus, config.iterations,
+                           config.top_ns, config.max_triples_per_relation, config.batch_size,
+                           progress=context.log.info)
         choice = choose_gsrm_params(sweep.points)
         path = write_gsrm_params(home, choice, sweep)
         log_sweep(sweep, choice, path)

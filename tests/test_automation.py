@@ -188,27 +188,13 @@ def test_gpu_models_are_retrained_by_the_schedule_alone():
     assert set(GPU_MODELS) <= set(job.asset_layer.executable_asset_keys)
 
 
-def _merged_yaml(paths: list[Path]) -> dict:
-    """Run config files merged as `dg launch -c A -c B` merges them (the first listed wins a shared key)."""
-    import yaml
-
-    def merge(first: dict, second: dict) -> dict:
-        out = dict(second)
-        for key, value in first.items():
-            out[key] = merge(value, second[key]) if isinstance(value, dict) and isinstance(second.get(key), dict) \
-                else value
-        return out
-    merged: dict = {}
-    for path in reversed(paths):
-        merged = merge(yaml.safe_load(path.read_text()) or {}, merged)
-    return merged
-
-
 def test_make_demo_runs_everything_in_one_launch_whose_config_is_valid():
     """The demo's single run (data, models, the first dataset's evaluations, GSRM recall, the report) as the
     Makefile writes it: its selection holds every asset but the optional text extraction, one partitions
     definition, and the merged run config validates against that job."""
     import re
+
+    from dagster_shared.yaml_utils import load_yaml_from_glob_list
 
     from platform_assets.evaluation import DATASETS
 
@@ -225,5 +211,5 @@ def test_make_demo_runs_everything_in_one_launch_whose_config_is_valid():
     assert {*EVALUATIONS, *GPU_MODELS, dg.AssetKey(["eval", "evaluation_report"]),
             dg.AssetKey(["eval", "gsrm_recall"])} <= selected
     assert not any(graph.get(key).group_name == "text_extraction" for key in selected)
-    run_config = _merged_yaml([root / path for path in configs])
+    run_config = load_yaml_from_glob_list([str(root / path) for path in configs])  # as `dg launch -c A -c B`
     assert dg.validate_run_config(defs.resolve_job_def("demo_launch"), run_config)

@@ -20,7 +20,8 @@ def unit(*values: float) -> np.ndarray:
 
 
 def test_vectors_come_back_in_a_new_process_and_the_first_one_stays(tmp_path: Path):
-    TextVectorCache(tmp_path, "enc-a").put("document", ["aspirin may treat pain", "x"], np.stack([unit(1, 0), unit(0, 1)]))
+    first = TextVectorCache(tmp_path, "enc-a")
+    first.put("document", ["aspirin may treat pain", "x"], np.stack([unit(1, 0), unit(0, 1)]))
     later = TextVectorCache(tmp_path, "enc-a")  # a new process: reads the shards from disk
     later.put("document", ["aspirin may treat pain"], np.stack([unit(1, 1)]))  # recomputed: not stored again
     again = TextVectorCache(tmp_path, "enc-a")
@@ -43,7 +44,7 @@ def test_a_half_written_shard_is_ignored_and_many_shards_are_merged(tmp_path: Pa
     writer = TextVectorCache(tmp_path, "enc")
     for i in range(5):  # one shard per call
         writer.put("document", [f"text {i}"], np.stack([unit(1, i)]))
-    (tmp_path / "enc" / "crashed.partial").write_bytes(b"\x00" * 10)  # a writer killed before its rename
+    (tmp_path / "enc" / ".dead.npz.0123456789ab.tmp").write_bytes(b"\x00" * 10)  # a writer killed before its rename
     merged = TextVectorCache(tmp_path, "enc")
     assert all(v is not None for v in merged.get("document", [f"text {i}" for i in range(5)]))
     assert len(list((tmp_path / "enc").glob("*.npz"))) == 1  # five shards became one

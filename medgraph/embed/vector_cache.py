@@ -21,12 +21,14 @@ shards are merged into one on load; past `max_bytes` the oldest shards are delet
 from __future__ import annotations
 
 import hashlib
-import os
+import io
 import uuid
 from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
+
+from medgraph.files import write_atomically
 
 SHARDS_BEFORE_MERGE = 32
 
@@ -71,30 +73,24 @@ class TextVectorCache:
             self._vectors = self._load()
         return self._vectors
 
-    def _shards(self) -> list[Path]:
-        """Complete shards, oldest first (a name ties equal times, so the order is stable)."""
+    def _shards(self) -> list[tuple[Path, int]]:
+        """Complete shards and their sizes, oldest first (the name orders equal times)."""
         shards = []
         for path in self.dir.glob("*.npz"):
             try:
-                shards.append((path.stat().st_mtime, path.name, path))
+                stat = path.stat()
             except FileNotFoundError:  # merged away by another process meanwhile
                 continue
-        return [path for *_, path in sorted(shards)]
+            shards.append((stat.st_mtime, path.name, path, stat.st_size))
+        return [(path, size) for _, _, path, size in sorted(shards)]
 
     def _load(self) -> dict[bytes, np.ndarray]:
         shards = self._shards()
-        sizes = {}
-        for path in shards:
-            try:
-                sizes[path] = path.stat().st_size
-            except FileNotFoundError:
-                continue
-        while shards and sum(sizes.get(p, 0) for p in shards) > self.max_bytes:
-            path = shards.pop(0)
-            path.unlink(missing_ok=True)
+        while shards and sum(size for _, size in shards) > self.max_bytes:
+            shards.pop(0)[0].unlink(missing_ok=True)
         vectors: dict[bytes, np.ndarray] = {}
         readable = []
-        for path in shards:
+        for path, _ in shards:
             try:
                 with np.load(path) as shard:
                     keys, values = shard["keys"], shard["vectors"]
@@ -112,14 +108,10 @@ class TextVectorCache:
     def _write(self, vectors: dict[bytes, np.ndarray]) -> None:
         if not vectors:
             return
-        self.dir.mkdir(parents=True, exist_ok=True)
-        final = self.dir / f"{uuid.uuid4().hex}.npz"
-        partial = final.with_suffix(".partial")
         keys = np.frombuffer(b"".join(vectors), dtype=np.uint8).reshape(len(vectors), 16)
-        with open(partial, "wb") as out:
-            np.savez(out, keys=keys, vectors=np.stack(list(vectors.values())))
-        os.replace(partial, final)
-
+        shard = io.BytesIO()
+        np.savez(shard, keys=keys, vectors=np.stack(list(vectors.values())))
+        write_atomically(self.dir / f"{uuid.uuid4().hex}.npz", shard.getvalue())
 
 def home_vector_cache(home: str | Path, encoder_id: str) -> TextVectorCache:
     """The cache of a MEDGRAPH_HOME: `$MEDGRAPH_HOME/cache/text_vectors/<encoder_id>/`."""
