@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import duckdb
+import pyarrow as pa
 
 from medgraph.s3 import S3Lake, S3Options, is_s3_uri, s3_client_and_options
 
@@ -300,6 +301,22 @@ class Warehouse:
         if self.threads:
             config["threads"] = str(self.threads)
         return config
+
+    def publish_arrow(self, schema: str, table: str, rows: pa.Table) -> Path | str:
+        """Write an Arrow table as the lake file of `schema.table` (local scratch, then installed over the
+        table's file: a rename, or on S3 a staging upload and server-side copy) and point the view at it."""
+        import pyarrow.parquet as pq
+
+        lake = self.lake
+        staging = lake.scratch_path(schema, table)
+        try:
+            pq.write_table(rows, staging, compression="zstd")
+            final = lake.install(staging, lake.table_path(schema, table))
+        except BaseException:
+            lake.discard(staging)
+            raise
+        self.register_parquet_view(schema, table, final)
+        return final
 
     def register_parquet_view(self, schema: str, table: str, parquet: Path | str) -> None:
         """Point `schema.table` at a Parquet file, in one transaction."""

@@ -61,10 +61,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pyarrow as pa
-import pyarrow.parquet as pq
 
 from medgraph.eval.questions import QaItem, write_mirage
 from medgraph.kg.graph import NORMALIZE_SQL
+from medgraph.kg.shortcuts import content_words
 from medgraph.kg.relation_phrases import UNINFORMATIVE_RELATIONS, relation_phrases
 from medgraph.storage import Warehouse
 
@@ -72,8 +72,9 @@ log = logging.getLogger(__name__)
 
 SCHEMA = "qa"
 TABLE = "qa_items"
-QUESTION_TYPES = ("mc", "yesno", "short_1hop", "short_2hop")
-DATASET_OF_TYPE = {"mc": "kgqa_mc", "yesno": "kgqa_yesno", "short_1hop": "kgqa_short", "short_2hop": "kgqa_short"}
+QUESTION_TYPES = ("mc", "mc_2hop", "yesno", "short_1hop", "short_2hop")
+DATASET_OF_TYPE = {"mc": "kgqa_mc", "mc_2hop": "kgqa_mc", "yesno": "kgqa_yesno", "short_1hop": "kgqa_short",
+                   "short_2hop": "kgqa_short"}
 SPLIT_NAMES = ("train", "validation", "test")
 OPTION_LETTERS = ("A", "B", "C", "D")
 YES_NO_OPTIONS = {"A": "yes", "B": "no"}
@@ -90,7 +91,17 @@ class QaLimits:
     skip_relations: frozenset[str] = UNINFORMATIVE_RELATIONS
     # Siblings of the answer make the most plausible distractors, and the riskiest: the KG may
     # simply not list a sibling that is also true (heparin treats more thromboses than it names).
+    # Only used by the "non_neighbours" rule.
     sibling_distractors: bool = True
+    # Where wrong options (and the object of a "no") come from. "neighbours": the question concept's own
+    # neighbours under other relations (same semantic type, else group, as the answer), so that "the
+    # option linked to the question concept" is no shortcut. "non_neighbours": concepts NOT linked to the
+    # question concept at all (the rule before issue 25: adjacency alone then gives every answer; kept
+    # to show the shortcut check firing).
+    distractor_rule: str = "neighbours"
+    # A short answer is asked only where picking a random concept near the question concepts (within the
+    # item's hops) finds a correct one with probability at most this: structure alone must not answer it.
+    max_adjacency_chance: float = 0.1
 
 
 # --------------------------------------------------------------------------- the graph in memory
@@ -196,6 +207,18 @@ class _Graph:
     def in_lineage(self, a: str, b: str) -> bool:
         """True when one concept is an ancestor of the other."""
         return a in self.ancestors(b) or b in self.ancestors(a)
+
+    def within(self, cui: str, hops: int) -> frozenset[str]:
+        """Concepts at most `hops` edges from `cui` (any relation, either direction), `cui` itself excluded."""
+        reached, frontier = set(), {cui}
+        for _ in range(hops):
+            frontier = {n for c in frontier for n in self.neighbours.get(c, ())} - reached - {cui}
+            reached |= frontier
+        return frozenset(reached)
+
+    def linked_by(self, a: str, b: str, relations: Iterable[str]) -> bool:
+        """An edge a -r-> b for some r of `relations`, or its inverse listed as b -inverse(r)-> a."""
+        return any(b in self.objects(a, r) or a in self.objects(b, self.inverse.get(r, "")) for r in relations)
 
     def siblings(self, cui: str) -> list[str]:
         return sorted({c for p in self.parents.get(cui, ()) for c in self.children.get(p, ()) if c != cui})
@@ -367,33 +390,48 @@ def _pick(rng: random.Random, population: Sequence[str], accept: Callable[[str],
 
 def _distractors(graph: _Graph, subject: str, relation: str, form: str, answer: str, k: int,
                  rng: random.Random) -> list[str]:
-    """k concepts like `answer` that are verifiably not an answer of (subject, relation),
-    nor of a relation the question (phrase `form`) words the same way.
+    """k concepts like `answer` that are verifiably not an answer of (subject, relation), nor of a
+    relation the question (phrase `form`) words the same way.
 
-    Candidates come from the answer's siblings, then from other objects of the
-    same relation sharing its semantic type, then from any concept of that type.
-    A candidate is refused when it is linked to the subject by any edge, is an
-    ancestor or descendant of a correct answer, or shares a name with one.
+    Rule "neighbours" (the default): the subject's own neighbours under other relations, of the answer's
+    semantic type (an option of another type would give itself away); a neighbour linked to the subject by the asked
+    relation (or a relation worded alike, in either listing) is a correct answer, never a distractor.
+    Every option is then linked to the question concept, so adjacency says nothing: only the relation
+    does. Rule "non_neighbours": the answer's siblings, then other objects of the relation of its type,
+    then any concept of its type, none linked to the subject at all.
+    Either way a candidate is refused when it is an ancestor or descendant of a correct answer, or shares
+    a name with one (or with the subject).
     """
     correct = graph.objects_worded(subject, relation, form)
+    alike = graph.worded_alike(relation, form)
     taken_names = set(graph.normalized_names[subject])
     for cui in correct:
         taken_names |= graph.normalized_names[cui]
     chosen: list[str] = []
+    neighbours = graph.neighbours.get(subject, frozenset())
+    by_neighbours = graph.limits.distractor_rule == "neighbours"
 
     def acceptable(cui: str) -> bool:
-        return (cui != subject and cui not in correct and cui not in chosen and graph.can_be_named(cui)
-                and cui not in graph.neighbours.get(subject, ())
-                and not any(graph.in_lineage(cui, c) for c in correct)
+        if cui == subject or cui in correct or cui in chosen or not graph.can_be_named(cui):
+            return False
+        if by_neighbours:
+            if graph.linked_by(subject, cui, alike):
+                return False
+        elif cui in neighbours:
+            return False
+        return (not any(graph.in_lineage(cui, c) for c in correct)
                 and not (graph.normalized_names[cui] & taken_names))
 
     tui = graph.tuis[answer][0] if graph.tuis.get(answer) else None
     same_type = (lambda cui: True) if tui is None else (lambda cui: tui in graph.tuis.get(cui, ()))
     tiers: list[Sequence[str]] = []
-    if graph.limits.sibling_distractors:
-        tiers.append([c for c in graph.siblings(answer) if same_type(c)])
-    if tui is not None:
-        tiers += [graph.range_by_tui.get((relation, tui), []), graph.by_tui.get(tui, [])]
+    if by_neighbours:  # the answer's semantic type only: an option of another type gives itself away
+        tiers.append([c for c in sorted(neighbours) if same_type(c)])
+    else:
+        if graph.limits.sibling_distractors:
+            tiers.append([c for c in graph.siblings(answer) if same_type(c)])
+        if tui is not None:
+            tiers += [graph.range_by_tui.get((relation, tui), []), graph.by_tui.get(tui, [])]
     for population in tiers:
         for cui in _pick(rng, population, acceptable, k - len(chosen)):
             chosen.append(cui)
@@ -401,6 +439,21 @@ def _distractors(graph: _Graph, subject: str, relation: str, form: str, answer: 
         if len(chosen) == k:
             break
     return chosen
+
+
+def _adjacency_chance(graph: _Graph, seeds: Sequence[str], hops: int, answers: Iterable[str]) -> float:
+    """How often a concept drawn at random near the question concepts is a correct answer: the candidates
+    are the common neighbours of several question concepts, else what lies within `hops` of the one."""
+    if len(seeds) > 1:
+        candidates = frozenset.intersection(*(graph.neighbours.get(s, frozenset()) for s in seeds))
+    else:
+        candidates = graph.within(seeds[0], hops)
+    return len(candidates & set(answers)) / len(candidates) if candidates else 1.0
+
+
+def _structure_answers(graph: _Graph, seeds: Sequence[str], hops: int, answers: Iterable[str]) -> bool:
+    """True when adjacency alone would often find a short answer (see `QaLimits.max_adjacency_chance`)."""
+    return _adjacency_chance(graph, seeds, hops, answers) > graph.limits.max_adjacency_chance
 
 
 def _by_name(graph: _Graph, cuis: Iterable[str]) -> list[str]:
@@ -435,52 +488,55 @@ def _mc_drafts(graph: _Graph, rng: random.Random) -> Iterator[_Draft]:
 
 
 def _yesno_drafts(graph: _Graph, rng: random.Random) -> Iterator[_Draft]:
-    """Alternately a true edge (yes) and a verified non-edge (no), so the answers are balanced.
+    """Pairs from one subject and relation: a true edge (yes) and a "no" about a neighbour of the subject
+    under another relation, of the true object's semantic type and sharing a word with the subject exactly
+    when the true object does. Adjacency, the relation, the object's type and word overlap then say
+    nothing about the answer: only the relation between the two concepts does.
 
     A statement is asked once, in one orientation: "May lisinopril be used to
     treat Hypertension?" comes from both (lisinopril may_treat Hypertension) and
     (Hypertension may_be_treated_by lisinopril).
     """
-    want_yes = True
     asked: set[Edge] = set()
     for relation, subject in _round_robin(_subject_pools(graph, rng, max_answers=None)):
         candidates = [c for c in graph.objects(subject, relation) if graph.can_be_named(c)]
         if not candidates:
             continue
         true_object = rng.choice(candidates)
-        if want_yes:
-            obj, answer = true_object, "A"
-        else:
-            negatives = _distractors(graph, subject, relation, "yesno", true_object, 1, rng)
-            if not negatives:
-                continue
-            obj, answer = negatives[0], "B"
-        subject, relation, obj = graph.oriented(subject, relation, obj)
-        fact = (subject, graph.canonical(relation, "yesno"), obj)
-        if fact in asked:
+        overlaps = bool(content_words(graph.names[subject]) & content_words(graph.names[true_object]))
+        negatives = [c for c in _distractors(graph, subject, relation, "yesno", true_object, 20, rng)
+                     if bool(content_words(graph.names[subject]) & content_words(graph.names[c])) == overlaps]
+        if not negatives:
             continue
-        asked.add(fact)
-        want_yes = not want_yes
-        yield _Draft(
-            question_type="yesno",
-            fact=fact,
-            question=relation_phrases(relation).yesno.format(subject=graph.names[subject], object=graph.names[obj]),
-            options=dict(YES_NO_OPTIONS),
-            option_cuis=(),
-            answer=answer,
-            answer_cuis=(obj,) if answer == "A" else (),
-            acceptable_answers=(YES_NO_OPTIONS[answer],),
-            path=((subject, relation, obj),) if answer == "A" else (),
-            seed_cuis=(subject, obj),
-            relations=(relation,),
-        )
+        pair = []
+        for obj, answer in ((true_object, "A"), (negatives[0], "B")):
+            oriented = graph.oriented(subject, relation, obj)
+            fact = (oriented[0], graph.canonical(oriented[1], "yesno"), oriented[2])
+            pair.append((oriented, fact, answer))
+        if any(fact in asked for _, fact, _ in pair):
+            continue
+        for (s_, r_, o_), fact, answer in pair:
+            asked.add(fact)
+            yield _Draft(
+                question_type="yesno",
+                fact=fact,
+                question=relation_phrases(r_).yesno.format(subject=graph.names[s_], object=graph.names[o_]),
+                options=dict(YES_NO_OPTIONS),
+                option_cuis=(),
+                answer=answer,
+                answer_cuis=(o_,) if answer == "A" else (),
+                acceptable_answers=(YES_NO_OPTIONS[answer],),
+                path=((s_, r_, o_),) if answer == "A" else (),
+                seed_cuis=(s_, o_),
+                relations=(r_,),
+            )
 
 
 def _short_1hop_drafts(graph: _Graph, rng: random.Random) -> Iterator[_Draft]:
     limits = graph.limits
     for relation, subject in _round_robin(_subject_pools(graph, rng, max_answers=limits.max_answers)):
         answers = _by_name(graph, graph.objects_worded(subject, relation, "short"))
-        if len(answers) > limits.max_answers:
+        if len(answers) > limits.max_answers or _structure_answers(graph, (subject,), 1, answers):
             continue
         step = graph.relation_between(subject, answers[0], graph.worded_alike(relation, "short"))
         yield _Draft(
@@ -498,7 +554,27 @@ def _short_1hop_drafts(graph: _Graph, rng: random.Random) -> Iterator[_Draft]:
         )
 
 
-def _chain_drafts(graph: _Graph, rng: random.Random) -> Iterator[_Draft]:
+@dataclass(frozen=True)
+class _Chain:
+    """subject -first-> bridge -second-> answer, with every bridge and every answer the wording admits."""
+
+    subject: str
+    first: str
+    bridges: tuple[str, ...]
+    second: str  # canonical for the "described" wording
+    answers: tuple[str, ...]  # by name
+
+    def path_to(self, graph: _Graph, answer: str) -> tuple[Edge, Edge]:
+        seconds = graph.worded_alike(self.second, "described")
+        bridge, second_step = next((b, r) for b in self.bridges for r in seconds if answer in graph.objects(b, r))
+        first_step = graph.relation_between(self.subject, bridge, graph.worded_alike(self.first, "via"))
+        return (self.subject, first_step, bridge), (bridge, second_step, answer)
+
+    def about(self, graph: _Graph) -> str:
+        return relation_phrases(self.first).via.format(subject=graph.names[self.subject])
+
+
+def _chains(graph: _Graph, rng: random.Random, max_answers: int) -> Iterator[_Chain]:
     """subject -r1-> bridge -r2-> answer, asked as "<r2 question> about <r1's objects>".
 
     Every bridge counts: the answers are all objects of r2 from any object of r1,
@@ -519,29 +595,87 @@ def _chain_drafts(graph: _Graph, rng: random.Random) -> Iterator[_Draft]:
                 continue
             answers = set().union(*(graph.objects_worded(b, second, "described") for b in bridges))
             answers -= {subject, *bridges}
-            if 1 <= len(answers) <= limits.max_answers:
+            if 1 <= len(answers) <= max_answers:
                 choices[graph.canonical(second, "described")] = _by_name(graph, answers)
         if not choices:
             continue
         second = rng.choice(sorted(choices))
-        answers = choices[second]
-        seconds = graph.worded_alike(second, "described")
-        bridge, second_step = next((b, r) for b in bridges for r in seconds if answers[0] in graph.objects(b, r))
-        first_step = graph.relation_between(subject, bridge, firsts)
-        about = relation_phrases(first).via.format(subject=graph.names[subject])
+        yield _Chain(subject, first, tuple(bridges), second, tuple(choices[second]))
+
+
+def _chain_drafts(graph: _Graph, rng: random.Random) -> Iterator[_Draft]:
+    for chain in _chains(graph, rng, graph.limits.max_answers):
+        answers = chain.answers
+        if _structure_answers(graph, (chain.subject,), 2, answers):
+            continue
+        path = chain.path_to(graph, answers[0])
         yield _Draft(
             question_type="short_2hop",
-            fact=("chain", subject, graph.canonical(first, "via"), second),
-            question=relation_phrases(second).short_about(about, described=True),
+            fact=("chain", chain.subject, graph.canonical(chain.first, "via"), chain.second),
+            question=relation_phrases(chain.second).short_about(chain.about(graph), described=True),
             options={},
             option_cuis=(),
             answer=graph.names[answers[0]],
             answer_cuis=tuple(answers),
             acceptable_answers=graph.answer_names(answers),
-            path=((subject, first_step, bridge), (bridge, second_step, answers[0])),
-            seed_cuis=(subject,),
-            relations=(first_step, second_step),
+            path=path,
+            seed_cuis=(chain.subject,),
+            relations=(path[0][1], path[1][1]),
         )
+
+
+def _mc_2hop_drafts(graph: _Graph, rng: random.Random) -> Iterator[_Draft]:
+    """"Which of the following may treat a condition with <phenotype> as a manifestation?": a chain
+    (see `_chains`) whose wrong options also lie two edges from the question concept, through other
+    relations (of the answer's semantic type), and are verifiably not reached by the asked chain."""
+    for chain in _chains(graph, rng, max_answers=len(OPTION_LETTERS)):
+        named = [a for a in chain.answers if graph.can_be_named(a)]
+        if not named:
+            continue
+        correct = rng.choice(named)
+        distractors = _two_hop_distractors(graph, chain, correct, len(OPTION_LETTERS) - 1, rng)
+        if len(distractors) < len(OPTION_LETTERS) - 1:
+            continue
+        option_cuis = [correct, *distractors]
+        rng.shuffle(option_cuis)
+        letter = OPTION_LETTERS[option_cuis.index(correct)]
+        path = chain.path_to(graph, correct)
+        yield _Draft(
+            question_type="mc_2hop",
+            fact=("chain", chain.subject, graph.canonical(chain.first, "via"), chain.second),
+            question=relation_phrases(chain.second).mc.format(subject=chain.about(graph)),
+            options={letter_: graph.names[cui] for letter_, cui in zip(OPTION_LETTERS, option_cuis)},
+            option_cuis=tuple(option_cuis),
+            answer=letter,
+            answer_cuis=(correct,),
+            acceptable_answers=graph.answer_names([correct]),
+            path=path,
+            seed_cuis=(chain.subject,),
+            relations=(path[0][1], path[1][1]),
+        )
+
+
+def _two_hop_distractors(graph: _Graph, chain: _Chain, answer: str, k: int, rng: random.Random) -> list[str]:
+    """Concepts within two edges of the chain's subject, of the answer's semantic type, that the asked
+    chain does not reach: no bridge links them by the second relation (either listing)."""
+    seconds = graph.worded_alike(chain.second, "described")
+    taken_names = set(graph.normalized_names[chain.subject])
+    for cui in chain.answers:
+        taken_names |= graph.normalized_names[cui]
+    chosen: list[str] = []
+
+    def acceptable(cui: str) -> bool:
+        return (cui not in chosen and cui not in chain.answers and cui != chain.subject and cui not in chain.bridges
+                and graph.can_be_named(cui) and not any(graph.linked_by(b, cui, seconds) for b in chain.bridges)
+                and not any(graph.in_lineage(cui, a) for a in chain.answers)
+                and not (graph.normalized_names[cui] & taken_names))
+
+    tui = graph.tuis[answer][0] if graph.tuis.get(answer) else None
+    for cui in _pick(rng, [c for c in sorted(graph.within(chain.subject, 2)) if tui in graph.tuis.get(c, ())],
+                     acceptable, k):
+        chosen.append(cui)
+        taken_names |= graph.normalized_names[cui]
+    return chosen
 
 
 def _intersection_drafts(graph: _Graph, rng: random.Random, attempts: int = 3) -> Iterator[_Draft]:
@@ -574,7 +708,8 @@ def _intersection_drafts(graph: _Graph, rng: random.Random, attempts: int = 3) -
                 continue
             first, second = graph.subjects_worded(e1, q1, "clause"), graph.subjects_worded(e2, q2, "clause")
             answers = first & second
-            if not (1 <= len(answers) <= limits.max_answers) or answers in (first, second):
+            if not (1 <= len(answers) <= limits.max_answers) or answers in (first, second) \
+                    or _structure_answers(graph, (e1, e2), 1, answers):
                 continue
             ordered = _by_name(graph, answers)
             canonical = ordered[0]
@@ -617,6 +752,7 @@ def _short_2hop_drafts(graph: _Graph, rng: random.Random) -> Iterator[_Draft]:
 
 _DRAFTERS: dict[str, Callable[[_Graph, random.Random], Iterator[_Draft]]] = {
     "mc": _mc_drafts,
+    "mc_2hop": _mc_2hop_drafts,
     "yesno": _yesno_drafts,
     "short_1hop": _short_1hop_drafts,
     "short_2hop": _short_2hop_drafts,
@@ -641,7 +777,10 @@ class KgQaItem:
     answer_cuis: tuple[str, ...]
     acceptable_answers: tuple[str, ...]
     gold_path: tuple[str, ...]  # edge ids, in path order; () for a "no"
-    gold_pairs: tuple[Pair, ...]  # the unordered concept pairs of the gold path (what evidence recall counts)
+    gold_pairs: tuple[Pair, ...]  # the unordered concept pairs of the gold path (what the split rule counts)
+    # Each gold edge as the keys "src|relation|dst" that state it: itself and its inverse listing (what
+    # "gold fact seen" counts: a triple of another relation between the same concepts is not the fact).
+    gold_facts: tuple[tuple[str, ...], ...]
     gold_path_text: str
     seed_cuis: tuple[str, ...]  # the question entities
     relations: tuple[str, ...]  # the relations asked about: path order; intersections answer -> each entity
@@ -658,7 +797,9 @@ class KgQaItem:
             answer=self.answer,
             acceptable_answers=() if self.options else self.acceptable_answers,
             extra={"question_type": self.question_type, "hops": self.hops, "gold_path": list(self.gold_path),
-                   "gold_pairs": [list(pair) for pair in self.gold_pairs], "answer_cuis": list(self.answer_cuis),
+                   "gold_pairs": [list(pair) for pair in self.gold_pairs],
+                   "gold_facts": [list(keys) for keys in self.gold_facts], "answer_cuis": list(self.answer_cuis),
+                   "option_cuis": list(self.option_cuis), "relations": list(self.relations),
                    "seed_cuis": list(self.seed_cuis)},
         )
 
@@ -690,6 +831,19 @@ def concept_pair(a: str, b: str) -> Pair:
 def gold_pairs_of(path: Iterable[Edge]) -> tuple[Pair, ...]:
     """The unordered concept pairs of a gold path, each once, in path order."""
     return tuple(dict.fromkeys(concept_pair(src, dst) for src, _, dst in path))
+
+
+def fact_key(src: str, relation: str, dst: str) -> str:
+    return f"{src}|{relation}|{dst}"
+
+
+def fact_keys(edge: Edge, inverse: Mapping[str, str]) -> tuple[str, ...]:
+    """The keys that state one edge: itself, and the reverse listing under its inverse relation (UMLS lists
+    most relations twice); the edge's own key first."""
+    src, relation, dst = edge
+    reverse = {inverse[relation]} if relation in inverse else set()
+    reverse |= {r for r, inv in inverse.items() if inv == relation}
+    return (fact_key(src, relation, dst), *sorted(fact_key(dst, r, src) for r in reverse))
 
 
 def _facts(draft: _Draft) -> set[Pair]:
@@ -780,6 +934,7 @@ def _finish(drafts: list[_Draft], graph: _Graph, warehouse: Warehouse,
             acceptable_answers=draft.acceptable_answers,
             gold_path=tuple(edge_ids[edge] for edge in draft.path),
             gold_pairs=gold_pairs_of(draft.path),
+            gold_facts=tuple(fact_keys(edge, graph.inverse) for edge in draft.path),
             gold_path_text=_path_text(graph, draft),
             seed_cuis=draft.seed_cuis,
             relations=draft.relations,
@@ -796,7 +951,8 @@ _TABLE_SCHEMA = pa.schema([
     ("question", pa.string()), ("options", pa.string()), ("option_cuis", pa.list_(pa.string())),
     ("answer", pa.string()), ("answer_cuis", pa.list_(pa.string())),
     ("acceptable_answers", pa.list_(pa.string())), ("gold_path", pa.list_(pa.string())),
-    ("gold_pairs", pa.list_(pa.list_(pa.string()))), ("gold_path_text", pa.string()), ("seed_cuis", pa.list_(pa.string())), ("relations", pa.list_(pa.string())),
+    ("gold_pairs", pa.list_(pa.list_(pa.string()))), ("gold_facts", pa.list_(pa.list_(pa.string()))),
+    ("gold_path_text", pa.string()), ("seed_cuis", pa.list_(pa.string())), ("relations", pa.list_(pa.string())),
     ("hops", pa.int32()),
 ])
 
@@ -810,17 +966,7 @@ def _publish_table(items: list[KgQaItem], warehouse: Warehouse) -> Path:
             columns[name].append(json.dumps(value, ensure_ascii=False) if name == "options" else
                                  [list(v) if isinstance(v, tuple) else v for v in value] if isinstance(value, tuple)
                                  else value)
-    table = pa.table(columns, schema=_TABLE_SCHEMA)
-    lake = warehouse.lake
-    staging = lake.scratch_path(SCHEMA, TABLE)  # pyarrow writes a local file; `install` uploads it on S3
-    try:
-        pq.write_table(table, staging, compression="zstd")
-        final = lake.install(staging, lake.table_path(SCHEMA, TABLE))
-    except BaseException:
-        lake.discard(staging)
-        raise
-    warehouse.register_parquet_view(SCHEMA, TABLE, final)
-    return final
+    return warehouse.publish_arrow(SCHEMA, TABLE, pa.table(columns, schema=_TABLE_SCHEMA))
 
 
 def _write_mirage_splits(items: Sequence[KgQaItem], out_dir: str | Path) -> dict[str, Path]:
