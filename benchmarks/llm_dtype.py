@@ -2,7 +2,7 @@
 
 Each dtype loads the same model and, in the same process:
 - prefills one fixed prompt of `--prefill-tokens` tokens (tokens/s, best of 3);
-- answers the same `--questions` kgqa_mc test questions with each method in `--methods`
+- answers the same `--questions` kgqa_mc validation questions with each method in `--methods`
   (one lockstep batch per method), recording every model output and the parsed answer.
 Against float32 it prints the share of questions whose model outputs are all identical
 (greedy decoding), the share whose parsed answer is identical, and accuracy, with n. The
@@ -46,6 +46,8 @@ def prefill_tokens_per_s(llm, n_tokens: int, repeats: int = 3) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--home", type=Path, default=Path(".medgraph"))
+    # Prompt, dtype and configuration choices are judged on validation questions, never on test.
+    parser.add_argument("--split", choices=("validation", "train"), default="validation")
     parser.add_argument("--questions", type=int, default=50)
     parser.add_argument("--methods", default="cot,rag")
     parser.add_argument("--dtypes", default=",".join(DTYPES))
@@ -57,10 +59,10 @@ def main() -> None:
     torch.set_num_threads(args.threads)
 
     warehouse = Warehouse(args.home / "warehouse.duckdb", Lake(args.home / "lake"))
-    items = load_mirage(args.home / "qa" / "qa_items.test.json", ["kgqa_mc"])[: args.questions]
+    items = load_mirage(args.home / "qa" / f"qa_items.{args.split}.json", ["kgqa_mc"])[: args.questions]
     methods = args.methods.split(",")
     dtypes = args.dtypes.split(",")
-    print(f"{len(items)} kgqa_mc test questions, {args.llm}, {args.threads} torch threads, "
+    print(f"{len(items)} kgqa_mc validation questions, {args.llm}, {args.threads} torch threads, "
           f"native CPU bf16: {cpu_has_bf16()}", flush=True)
     speed: dict[str, float] = {}
     seconds: dict[tuple[str, str], float] = {}

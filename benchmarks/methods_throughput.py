@@ -2,7 +2,7 @@
 
 On a MEDGRAPH_HOME built by `make demo` (KG, corpus, embeddings, qa items) with
 SmolLM2 on the CPU: each method answers the same N questions of the embedded
-test split in lockstep batches of N and (unless --no-serial) one at a time,
+validation split (--split) in lockstep batches of N and (unless --no-serial) one at a time,
 for each LLM variant (prefix cache on/off x dtype), in the same process, side
 by side. Prints questions/minute, the batched/serial ratio (target >= 4x),
 prompt tokens sent and computed per question (the prefix cache computes only
@@ -44,6 +44,8 @@ def _run(method, items, tools, llm, config, batch_size):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--home", type=Path, default=Path(".medgraph"))
+    # Prompt, dtype and configuration choices are judged on validation questions, never on test.
+    parser.add_argument("--split", choices=("validation", "train"), default="validation")
     parser.add_argument("--llm-home", type=Path, default=None,
                         help="where the built-in LLM is converted (default: --home; use it for a read-only home)")
     parser.add_argument("--questions", type=int, default=8)
@@ -58,11 +60,11 @@ def main() -> None:
     torch.set_num_threads(args.threads)
 
     warehouse = Warehouse(args.home / "warehouse.duckdb", Lake(args.home / "lake"))
-    items = load_mirage(args.home / "qa" / "qa_items.test.json", ["kgqa_mc"])[: args.questions]
+    items = load_mirage(args.home / "qa" / f"qa_items.{args.split}.json", ["kgqa_mc"])[: args.questions]
     encoder = load_encoder("minilm")
     variants = [(dtype, cache) for dtype in args.dtypes.split(",") for cache in args.prefix_cache.split(",")]
     methods = args.methods.split(",")
-    print(f"{len(items)} questions (kgqa_mc test split), {args.llm}, {args.threads} torch threads")
+    print(f"{len(items)} questions (kgqa_mc {args.split} split), {args.llm}, {args.threads} torch threads")
     rows = []
     first_predictions: dict[str, list] = {}
     # Every variant loaded up front and the variants interleaved per method: a machine whose load drifts

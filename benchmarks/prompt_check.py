@@ -1,6 +1,6 @@
 """Do the methods' prompts work with a given LLM? Parse failures, truncations and extra answer calls per method.
 
-Runs each method on the same kgqa test questions with one LLM spec (any `MEDGRAPH_LLM` form: a built-in model,
+Runs each method on the same kgqa validation questions with one LLM spec (any `MEDGRAPH_LLM` form: a built-in model,
 a local checkpoint, or `openai:<model>@<url>` for an OpenAI-compatible server) and prints, per method, with n:
 accuracy, the share of replies that could not be parsed, the share cut at their token budget (counted apart:
 a truncated reply is the budget's fault, not the model's), and how often the one extra "just the answer" call
@@ -44,6 +44,8 @@ def served(llm, name: str):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--home", type=Path, default=Path(".medgraph"))
+    # Prompt, dtype and configuration choices are judged on validation questions, never on test.
+    parser.add_argument("--split", choices=("validation", "train"), default="validation")
     parser.add_argument("--llm", default="smollm2-135m-instruct")
     parser.add_argument("--questions", type=int, default=12)
     parser.add_argument("--datasets", default="kgqa_mc")
@@ -56,7 +58,7 @@ def main() -> None:
     warehouse = Warehouse(args.home / "warehouse.duckdb", Lake(args.home / "lake"))
     items = []
     for dataset in args.datasets.split(","):
-        items += load_mirage(args.home / "qa" / "qa_items.test.json", [dataset])[: args.questions]
+        items += load_mirage(args.home / "qa" / f"qa_items.{args.split}.json", [dataset])[: args.questions]
     llm = load_llm(args.llm, home=args.home)
     rows = []
     with Retriever(warehouse, load_encoder("minilm")) as retriever, \

@@ -191,9 +191,10 @@ POLICY = dg.AssetKey(["models", "graph_r1_policy"])
 SFT = dg.AssetKey(["models", "graph_r1_sft"])
 
 eval_assets = [
-    _eval_asset("eval_baselines", ("cot", "rag", "rag-kg", "irag"), (),
+    _eval_asset("eval_baselines", ("cot", "rag", "rag-kg", "irag", "oracle-evidence"), (),
                 "Baselines: chain of thought; MedRAG (text snippets, BM25 + dense, RRF); rag-kg, our variant with "
-                "KG triples; i-MedRAG (follow-up queries, each answered from its snippets)."),
+                "KG triples; i-MedRAG (follow-up queries, each answered from its snippets); oracle-evidence, the "
+                "reader's ceiling (the gold facts and wrong-relation triples of the same concepts)."),
     _eval_asset("eval_a2rag", ("a2rag",), (GAT, PROJECTOR, GSRM_PARAMS),
                 "A2RAG (AWC + GSRM + HIIM with the champion projector, text-only fallback recorded)."),
     _eval_asset("eval_graph_r1", ("graph-r1",), (SFT, POLICY),
@@ -324,13 +325,14 @@ def evaluation_report(context: dg.AssetExecutionContext, config: ReportConfig, w
         lineage[f"{name}@champion"] = f"v{tracking.champion_version(name)}" if tracking.champion_version(name) \
             else "none registered"
     for key, field in (("graph-r1 policy", "graph_r1_policy"), ("GSRM tau", "gsrm_tau"),
-                       ("GSRM iterations K", "gsrm_iterations"), ("GSRM top N", "gsrm_top_n"),
+                       ("GSRM iterations K", "gsrm_iterations"), ("GSRM top N", "gsrm_top_n"), ("GSRM per question type", "gsrm_by_type"),
                        ("GSRM parameters from", "gsrm_params_source")):
         asset = "eval_graph_r1" if field == "graph_r1_policy" else "eval_a2rag"
         value = _latest_metadata(context.instance, dg.AssetKey(["eval", asset]), field)
         if value is not None:
             lineage[key] = value
-    data = assemble(store, lineage, _reward_curves(tracking, GRAPH_R1_POLICY_MODEL.name), config.reference)
+    data = assemble(store, lineage, _reward_curves(tracking, GRAPH_R1_POLICY_MODEL.name), config.reference,
+                    read_gsrm_params(Path(warehouse.home)))
     if not data.summaries:
         raise dg.Failure("no evaluation results yet: materialize the eval/* assets first")
     paths = build_report(data, Path(warehouse.home) / "reports")

@@ -9,17 +9,17 @@ from medgraph.eval.gsrm import (
     DEFAULT_ITERATIONS,
     DEFAULT_TAUS,
     DEFAULT_TOP_NS,
-    RECALL_CUTOFF,
     RECALL_ITEMS_TABLE,
     RECALL_TABLE,
     choose_gsrm_params,
-    gsrm_recall_curves,
+    gsrm_recall_by_type,
     gsrm_recall_table_rows,
     log_sweep,
     measurable_items,
+    pooled_points,
     read_gsrm_params,
     recall_markdown,
-    sweep_gsrm,
+    sweep_gsrm_by_type,
     sweep_markdown,
     write_gsrm_params,
 )
@@ -57,29 +57,32 @@ def _items(home: Path, split: str, limit: int | None = None) -> list[QaItem]:
 def gsrm_params(context: dg.AssetExecutionContext, config: GsrmSweepConfig, warehouse: WarehouseResource,
                 encoder: EncoderResource, mlflow_tracking: MlflowResource) -> dg.MaterializeResult:
     """GSRM's tau, K and N chosen on the validation split by Recall@10 of the ranked triple list
-    (`medgraph.eval.gsrm.choose_gsrm_params`), written to `$MEDGRAPH_HOME/models/gsrm_params.json`."""
+    (`medgraph.eval.gsrm.choose_gsrm_params`) for each question type apart (A2RAG uses its item's type's), and
+    over all types pooled (for items of no tuned type), written to `$MEDGRAPH_HOME/models/gsrm_params.json`."""
     home = Path(warehouse.home)
     items = _items(home, "validation", config.limit)
     with Retriever(warehouse.get_warehouse(), encoder.load()) as retriever, \
             mlflow_tracking.start_asset_run(context, PARAMS_INPUTS) as run:
-        sweep = sweep_gsrm(KnowledgeTools.with_home_cache(retriever, home), items, config.taus, config.iterations,
-                           config.top_ns, config.max_triples_per_relation, config.batch_size,
-                           progress=context.log.info)
-        choice = choose_gsrm_params(sweep.points)
-        path = write_gsrm_params(home, choice, sweep)
-        log_sweep(sweep, choice, path)
+        sweeps = sweep_gsrm_by_type(KnowledgeTools.with_home_cache(retriever, home), items, config.taus,
+                                    config.iterations, config.top_ns, config.max_triples_per_relation,
+                                    config.batch_size, progress=context.log.info)
+        choices = {kind: choose_gsrm_params(sweep.points) for kind, sweep in sweeps.items()}
+        default = choose_gsrm_params(pooled_points(sweeps))
+        path = write_gsrm_params(home, default, sweeps, choices)
+        log_sweep(sweeps, choices, default, path)
         run_id = run.info.run_id
-    context.log.info(f"GSRM: tau={choice.tau} K={choice.iterations} N={choice.top_n}, "
-                     f"Recall@10 {choice.recall_at10:.3f} on {choice.n} validation items")
+    chosen = "; ".join(f"{kind}: tau={c.tau:g} K={c.iterations} N={c.top_n} (n={c.n})" for kind, c in choices.items())
+    context.log.info(f"GSRM per type: {chosen}; pooled tau={default.tau} K={default.iterations} N={default.top_n}")
     return dg.MaterializeResult(
-        metadata={"tau": choice.tau, "iterations": choice.iterations, "top_n": choice.top_n,
-                  "recall_at10": choice.recall_at10, "recall_at_n": choice.recall_at_n, "items": choice.n,
-                  "rule": choice.rule, "note": choice.note,
-                  "sweep": dg.MetadataValue.md(sweep_markdown(sweep, choice)),
-                  "seconds": round(sweep.seconds, 1), "triples_encoded": sweep.triples_encoded,
+        metadata={"tau": default.tau, "iterations": default.iterations, "top_n": default.top_n,
+                  "recall_at10": default.recall_at10, "recall_at_n": default.recall_at_n, "items": default.n,
+                  "by_type": chosen, "rule": default.rule, "note": default.note,
+                  "sweep": dg.MetadataValue.md(sweep_markdown(sweeps, choices)),
+                  "seconds": round(sum(s.seconds for s in sweeps.values()), 1),
                   "path": dg.MetadataValue.path(str(path)), "mlflow_run_id": run_id},
-        # Downstream re-runs only when the choice changes, not on every sweep.
-        data_version=dg.DataVersion(f"tau={choice.tau:g},K={choice.iterations},N={choice.top_n}"),
+        # Downstream re-runs only when a choice changes, not on every sweep.
+        data_version=dg.DataVersion(f"tau={default.tau:g},K={default.iterations},N={default.top_n};"
+                                    + ";".join(f"{k}={c.tau:g}/{c.iterations}/{c.top_n}" for k, c in choices.items())),
     )
 
 
@@ -97,27 +100,24 @@ class GsrmRecallConfig(dg.Config):
 def gsrm_recall(context: dg.AssetExecutionContext, config: GsrmRecallConfig, warehouse: WarehouseResource,
                 encoder: EncoderResource) -> dg.MaterializeResult:
     """Recall@10 and Recall@N of GSRM's ranked list for k = 0..max(K, 3) over every test item with gold
-    pairs, with the tuned tau and N: tables `eval.gsrm_recall` (means, s.e., n) and `eval.gsrm_recall_items`."""
+    pairs, each question type with its tuned tau, K and N: tables `eval.gsrm_recall` (means, s.e., n per
+    dataset and hop count, i.e. per type) and `eval.gsrm_recall_items`."""
     home = Path(warehouse.home)
     params = read_gsrm_params(home)
     if params is None:
         raise dg.Failure("no $MEDGRAPH_HOME/models/gsrm_params.json: materialize models/gsrm_params first")
-    tau, top_n = float(params["tau"]), int(params["top_n"])
     items = _items(home, "test", config.limit)
     store = warehouse.get_warehouse()
-    hub_guard = params.get("max_triples_per_relation", A2RagConfig.max_triples_per_relation)  # as tuned
     with Retriever(store, encoder.load()) as retriever:
-        curves = gsrm_recall_curves(KnowledgeTools.with_home_cache(retriever, home), items, tau,
-                                    max(int(params["iterations"]), config.min_iterations),
-                                    sorted({RECALL_CUTOFF, top_n}), hub_guard, config.batch_size,
-                                    progress=context.log.info)
-    rows, item_rows = gsrm_recall_table_rows(curves, tau, top_n)
+        curves = gsrm_recall_by_type(KnowledgeTools.with_home_cache(retriever, home), items, params,
+                                     config.min_iterations, config.batch_size, progress=context.log.info)
+    rows, item_rows = gsrm_recall_table_rows(curves)
     write_partition(store, RECALL_TABLE, "test", rows)
     write_partition(store, RECALL_ITEMS_TABLE, "test", item_rows)
     return dg.MaterializeResult(metadata={
-        "recall": dg.MetadataValue.md(recall_markdown(rows)), "items": len(curves), "tau": tau, "top_n": top_n,
-        "iterations_tuned": int(params["iterations"]), "table": f"eval.{RECALL_TABLE}",
-        "items_table": f"eval.{RECALL_ITEMS_TABLE}"})
+        "recall": dg.MetadataValue.md(recall_markdown(rows)), "items": len(curves),
+        "tau": float(params["tau"]), "top_n": int(params["top_n"]), "iterations_tuned": int(params["iterations"]),
+        "table": f"eval.{RECALL_TABLE}", "items_table": f"eval.{RECALL_ITEMS_TABLE}"})
 
 
 defs = dg.Definitions(assets=[gsrm_params, gsrm_recall])

@@ -21,6 +21,8 @@ AMLODIPINE, HYPERTENSION = "C9001289", "C0020538"
 OPTIONS = {"A": "amlodipine", "B": "salbutamol", "C": "insulin", "D": "aspirin"}
 TREAT = QaItem("test", "treat", "Which of the following may treat Hypertension?", OPTIONS, "A",
                extra={"gold_pairs": [sorted([AMLODIPINE, HYPERTENSION])], "answer_cuis": [AMLODIPINE],
+                      "gold_facts": [[f"{HYPERTENSION}|may_be_treated_by|{AMLODIPINE}",
+                                      f"{AMLODIPINE}|may_treat|{HYPERTENSION}"]],
                       "seed_cuis": [HYPERTENSION]})
 ANGINA = QaItem("test", "angina", "Which of the following may treat Angina pectoris?",
                 {"A": "insulin", "B": "amlodipine"}, "B")
@@ -64,7 +66,7 @@ def test_rag_kg_is_the_same_snippets_plus_kg_triples(tools: KnowledgeTools):
     assert len(facts.splitlines()) == len(triples) and "hypertension may be treated by amlodipine" in facts.lower()
     # Without the triples the prompts are the same.
     assert prompt.replace(f"Here are relevant knowledge graph facts:\n{facts}\n\n", "") == rag_llm.calls[0][0][-1].content
-    assert any({src, dst} == {AMLODIPINE, HYPERTENSION} for src, dst in rag_kg.evidence.triples.values())
+    assert any({src, dst} == {AMLODIPINE, HYPERTENSION} for src, _, dst in rag_kg.evidence.triples.values())
 
 
 # --------------------------------------------------------------------------- i-MedRAG
@@ -121,9 +123,10 @@ def test_irag_answers_each_follow_up_query_and_carries_the_pairs_forward(tools: 
     final = llm.calls[4][0][-1].content
     pairs = [(f"drug query {r} {x}", f"ANSWER TO drug query {r} {x}") for r in (0, 2) for x in "ab"]
     assert format_query_answers(pairs) in final and "<answer>" in final and "Here are the relevant" not in final
-    # Evidence: what the final call saw, the pairs' text; the snippets behind them are in the trace only.
-    assert result.evidence.texts == [format_query_answers([pair]) for pair in pairs]
-    assert not result.evidence.chunks and not result.evidence.triples
+    # Evidence: what retrieval showed, the snippets the answers were written from; never the model's answers.
+    assert not result.evidence.texts and not result.evidence.triples
+    assert set(result.evidence.chunks) == {c for s in result.steps if s.action == "query_answer"
+                                           for c in s.retrieved_ids}
     assert result.stats["follow_up_queries"] == 4 and result.stats["query_snippets"] >= 2
 
 
@@ -151,11 +154,11 @@ def test_irag_defaults_are_the_published_code_s_and_an_unreadable_round_searches
 
     (result,) = run_method("irag", [TREAT], tools, ScriptedChatModel(reply), make_config("irag", {"rounds": 1}))
     assert result.steps[0].arguments == {"queries": [TREAT.question]} and "no query readable" in result.steps[0].notes
-    # The answer text the final call saw names both gold concepts: the gold pair counts as shown.
-    assert (result.evidence_pair_recall, result.evidence_answer_recall) == (1.0, 1.0)
-
+    # The model's answer names both gold concepts, but what it wrote is no evidence: only the snippets count,
+    # whatever the model made of them.
     def unhelpful(conversation: Conversation) -> str:
         return "I do not know." if conversation[-1].content.startswith("Here are") else reply(conversation)
 
     (blind,) = run_method("irag", [TREAT], tools, ScriptedChatModel(unhelpful), make_config("irag", {"rounds": 1}))
-    assert blind.evidence_pair_recall == 0.0  # the snippets it was given do not count: the final call never saw them
+    assert (result.gold_fact_seen, result.answer_seen) == (blind.gold_fact_seen, blind.answer_seen)
+    assert set(result.evidence.chunks) == set(blind.evidence.chunks)

@@ -1,9 +1,11 @@
 """Evidence recall and cut-off answers: what each method put in front of its answering call, and what a budget did.
 
 Scripted episodes on the real tiny KG and corpus with known evidence: a gold
-fact is covered when a shown triple joins its two concepts or one shown text
-mentions both; the answer concept is in the evidence when a shown triple, a
-listed concept or a shown text names it. A reply cut at its token budget
+fact is seen when a shown triple IS it (its relation, in either listing) or a
+shown text states it (one sentence naming both concepts, or a KG concept text
+listing that relation); a triple of another relation between the same concepts
+is not the fact, and text a model wrote never counts. The answer concept is seen
+when a shown triple, a listed concept or a shown text names it. A reply cut at its token budget
 without an answer is asked once more for the answer alone.
 """
 
@@ -32,10 +34,11 @@ from medgraph.text.mentions import link_chunk_mentions
 
 AMLODIPINE, HYPERTENSION = "C9001289", "C0020538"
 OPTIONS = {"A": "amlodipine", "B": "salbutamol", "C": "insulin", "D": "aspirin"}
-# A KG question as the QA generator writes it: its gold fact as an unordered concept pair, its answer concept.
+# A KG question as the QA generator writes it: its gold fact in both listings, its answer concept.
+GOLD_FACT = [f"{HYPERTENSION}|may_be_treated_by|{AMLODIPINE}", f"{AMLODIPINE}|may_treat|{HYPERTENSION}"]
 TREAT = QaItem("test", "treat", "Which of the following may treat Hypertension?", OPTIONS, "A",
-               extra={"gold_pairs": [sorted([AMLODIPINE, HYPERTENSION])], "answer_cuis": [AMLODIPINE],
-                      "seed_cuis": [HYPERTENSION]})
+               extra={"gold_pairs": [sorted([AMLODIPINE, HYPERTENSION])], "gold_facts": [GOLD_FACT],
+                      "answer_cuis": [AMLODIPINE], "seed_cuis": [HYPERTENSION]})
 NO_GOLD = QaItem("test", "mirage", "Which of the following may treat Hypertension?", OPTIONS, "A")
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -50,18 +53,18 @@ def answer_a(conversation: Conversation) -> str:
 
 def test_rag_kg_that_shows_the_gold_fact_has_full_recall_and_an_item_without_gold_has_none(tools: KnowledgeTools):
     treat, no_gold = run_method("rag-kg", [TREAT, NO_GOLD], tools, ScriptedChatModel(answer_a))
-    assert any({src, dst} == {AMLODIPINE, HYPERTENSION} for src, dst in treat.evidence.triples.values())
+    assert any({src, dst} == {AMLODIPINE, HYPERTENSION} for src, _, dst in treat.evidence.triples.values())
     assert treat.evidence.chunks and all(chars == 600 for chars in treat.evidence.chunks.values())
-    assert (treat.evidence_pair_recall, treat.evidence_answer_recall) == (1.0, 1.0)
-    assert treat.stats["evidence_pair_recall"] == 1.0 and treat.stats["evidence_answer_recall"] == 1.0
-    assert (no_gold.evidence_pair_recall, no_gold.evidence_answer_recall) == (None, None)
-    assert "evidence" not in treat.as_dict() and treat.as_dict()["evidence_pair_recall"] == 1.0
+    assert (treat.gold_fact_seen, treat.answer_seen) == (1.0, 1.0)
+    assert treat.stats["gold_fact_seen"] == 1.0 and treat.stats["answer_seen"] == 1.0
+    assert (no_gold.gold_fact_seen, no_gold.answer_seen) == (None, None)
+    assert "evidence" not in treat.as_dict() and treat.as_dict()["gold_fact_seen"] == 1.0
 
 
 def test_cot_shows_no_evidence_so_its_recall_is_zero(tools: KnowledgeTools):
     (result,) = run_method("cot", [TREAT], tools, ScriptedChatModel(answer_a))
     assert result.correct and result.evidence.empty
-    assert (result.evidence_pair_recall, result.evidence_answer_recall) == (0.0, 0.0)
+    assert (result.gold_fact_seen, result.answer_seen) == (0.0, 0.0)
 
 
 def graph_r1_script(*turns: str):
@@ -80,19 +83,19 @@ def test_graph_r1_recall_counts_what_its_observations_showed(tools: KnowledgeToo
     (searched,) = run_method("graph-r1", [TREAT], tools, ScriptedChatModel(searches))
     (analyzed,) = run_method("graph-r1", [TREAT], tools, ScriptedChatModel(analyzes))
     # The traversal of the question's concept shows the gold edge (stored as Hypertension -may_be_treated_by->).
-    assert (traversed.evidence_pair_recall, traversed.evidence_answer_recall) == (1.0, 1.0)
+    assert (traversed.gold_fact_seen, traversed.answer_seen) == (1.0, 1.0)
     # A search lists the answer concept by name, but no fact joins it to the question's concept.
     assert AMLODIPINE in searched.evidence.concepts and not searched.evidence.triples
-    assert (searched.evidence_pair_recall, searched.evidence_answer_recall) == (0.0, 1.0)
+    assert (searched.gold_fact_seen, searched.answer_seen) == (0.0, 1.0)
     # A concept's text counts as mentioning the concept itself (and what the text names).
-    assert set(analyzed.evidence.concept_texts) == {AMLODIPINE} and analyzed.evidence_answer_recall == 1.0
+    assert set(analyzed.evidence.concept_texts) == {AMLODIPINE} and analyzed.answer_seen == 1.0
 
 
 def test_graph_r1_observation_not_shown_at_the_last_turn_is_not_evidence(tools: KnowledgeTools):
     script = graph_r1_script(f"<think>edges</think><traverse>{HYPERTENSION}</traverse>")
     (result,) = run_method("graph-r1", [TREAT], tools, ScriptedChatModel(script), make_config("graph-r1", {"max_steps": 1}))
     assert result.parse_failed and result.stats["out_of_turns"] and result.evidence.empty
-    assert result.evidence_pair_recall == 0.0 and not result.extra_answer_call  # not cut: no second call
+    assert result.gold_fact_seen == 0.0 and not result.extra_answer_call  # not cut: no second call
 
 
 class GraphTokenModel(ScriptedChatModel):
@@ -131,7 +134,7 @@ def test_sema_rag_recall_is_over_the_sources_its_a_agent_was_shown(tools: Knowle
 
     (result,) = run_method("sema-rag", [TREAT], tools, ScriptedChatModel(reply))
     assert result.correct and result.stats["sources"] == len(result.evidence.triples) + len(result.evidence.chunks)
-    assert result.evidence_answer_recall == 1.0 and result.evidence_pair_recall is not None
+    assert result.answer_seen == 1.0 and result.gold_fact_seen is not None
 
 
 # --------------------------------------------------------------------------- chunk mentions
@@ -144,39 +147,109 @@ def mentions_warehouse(retrieval_warehouse: Warehouse, tmp_path_factory: pytest.
     return warehouse
 
 
-def test_a_chunk_covers_a_pair_it_mentions_within_the_characters_shown(mentions_warehouse: Warehouse,
-                                                                       tools: KnowledgeTools, encoder):
-    with duckdb.connect(str(mentions_warehouse.path), read_only=True) as con:
-        chunk_id, first, second, second_end = con.execute(
-            """SELECT a.chunk_id, a.cui, b.cui, b.end_char FROM kg.kg_chunk_mentions a
-               JOIN kg.kg_chunk_mentions b ON a.chunk_id = b.chunk_id AND a.end_char < b.start_char AND a.cui <> b.cui
-               WHERE a.score = 1 AND b.score = 1 AND b.end_char < 500
-                 AND b.start_char = (SELECT min(start_char) FROM kg.kg_chunk_mentions c  -- b's first mention
-                                     WHERE c.chunk_id = b.chunk_id AND c.cui = b.cui)
-               ORDER BY a.chunk_id, a.start_char, b.start_char LIMIT 1""").fetchone()
-    item = QaItem("test", "pair", "?", OPTIONS, "A", extra={"gold_pairs": [[first, second]], "answer_cuis": [second]})
+def test_a_chunk_states_a_fact_when_one_sentence_names_both_concepts_within_the_characters_shown(
+        mentions_warehouse: Warehouse, tools: KnowledgeTools, encoder):
+    from medgraph.methods.registry import _sentence_spans
 
-    def recall(shown_chars: int | None, tables: KnowledgeTools) -> tuple[float | None, float | None]:
+    with duckdb.connect(str(mentions_warehouse.path), read_only=True) as con:
+        mentions = con.execute("SELECT chunk_id, cui, start_char, end_char FROM kg.kg_chunk_mentions WHERE score = 1 "
+                               "ORDER BY chunk_id, start_char").fetchall()
+        texts = dict(con.execute("SELECT chunk_id, text FROM text.corpus_chunks").fetchall())
+
+    def first_pair_in_one_sentence() -> tuple[str, str, str, int]:
+        by_chunk: dict[str, list] = {}
+        for chunk_id, cui, start, end in mentions:
+            by_chunk.setdefault(chunk_id, []).append((cui, start, end))
+        for chunk_id, found in sorted(by_chunk.items()):
+            spans = _sentence_spans(texts[chunk_id])
+            for a_start, a_end in spans:
+                inside = [m for m in found if a_start <= m[1] < a_end and m[2] < 500]
+                first_of = {}
+                for cui, start, end in inside:
+                    first_of.setdefault(cui, (start, end))
+                if len(first_of) >= 2 and all(first_of[c] == min((m[1], m[2]) for m in found if m[0] == c)
+                                              for c in first_of):
+                    (one, _), (two, (_, end)) = sorted(first_of.items(), key=lambda kv: kv[1])[:2]
+                    return chunk_id, one, two, end
+        raise AssertionError("no chunk names two concepts in one sentence")
+
+    chunk_id, first, second, second_end = first_pair_in_one_sentence()
+    item = QaItem("test", "pair", "?", OPTIONS, "A", extra={"gold_facts": [[f"{first}|related_to|{second}"]],
+                                                              "answer_cuis": [second]})
+
+    def seen(shown_chars: int | None, tables: KnowledgeTools) -> tuple[float | None, float | None]:
         result = finish_result("rag", item, "A", [], evidence=EvidenceSeen())
         result.evidence.add_chunks([chunk_id], shown_chars)
         record_evidence_recall(tables, [item], [result])
-        return result.evidence_pair_recall, result.evidence_answer_recall
+        return result.gold_fact_seen, result.answer_seen
 
     with Retriever(mentions_warehouse, encoder) as retriever:
         from_table = KnowledgeTools(retriever)
-        assert recall(None, from_table) == recall(second_end, from_table) == (1.0, 1.0)
-        assert recall(second_end - 1, from_table) == (0.0, 0.0)  # the second mention was cut off the prompt
+        assert seen(None, from_table) == seen(second_end, from_table) == (1.0, 1.0)
+        assert seen(second_end - 1, from_table) == (0.0, 0.0)  # the second mention was cut off the prompt
     # Without the mentions table the same dictionary matcher runs over the chunk: the same answer.
-    assert recall(second_end, tools) == (1.0, 1.0) and recall(second_end - 1, tools) == (0.0, 0.0)
+    assert seen(second_end, tools) == (1.0, 1.0) and seen(second_end - 1, tools) == (0.0, 0.0)
 
 
-def test_free_text_covers_a_pair_only_when_it_names_both_concepts(tools: KnowledgeTools):
-    both, one = finish_result("x", TREAT, "A", []), finish_result("x", TREAT, "A", [])
+def test_free_text_states_a_fact_only_when_one_sentence_names_both_concepts(tools: KnowledgeTools):
+    both, one, apart = (finish_result("x", TREAT, "A", []) for _ in range(3))
     both.evidence.add_text("Amlodipine is given for hypertension.")
     one.evidence.add_text("Amlodipine is a calcium channel blocker.")
-    record_evidence_recall(tools, [TREAT, TREAT], [both, one])
-    assert (both.evidence_pair_recall, both.evidence_answer_recall) == (1.0, 1.0)
-    assert (one.evidence_pair_recall, one.evidence_answer_recall) == (0.0, 1.0)
+    apart.evidence.add_text("Amlodipine is a calcium channel blocker. Hypertension is common.")
+    record_evidence_recall(tools, [TREAT] * 3, [both, one, apart])
+    assert (both.gold_fact_seen, both.answer_seen) == (1.0, 1.0)
+    assert (one.gold_fact_seen, one.answer_seen) == (0.0, 1.0)
+    assert (apart.gold_fact_seen, apart.answer_seen) == (0.0, 1.0)
+
+
+def triple(src: str, relation: str, dst: str) -> Triple:
+    return Triple(f"{src}{relation}{dst}", src, src, relation, dst, dst)
+
+
+def test_a_triple_of_another_relation_between_the_gold_concepts_is_not_the_gold_fact(tools: KnowledgeTools):
+    wrong, reverse, gold = (finish_result("x", TREAT, "A", []) for _ in range(3))
+    wrong.evidence.add_triples([triple(AMLODIPINE, "contraindicated_with_disease", HYPERTENSION)])
+    reverse.evidence.add_triples([triple(AMLODIPINE, "may_treat", HYPERTENSION)])  # the other listing
+    gold.evidence.add_triples([triple(HYPERTENSION, "may_be_treated_by", AMLODIPINE)])
+    record_evidence_recall(tools, [TREAT] * 3, [wrong, reverse, gold])
+    assert (wrong.gold_fact_seen, wrong.answer_seen) == (0.0, 1.0)  # the answer concept is there, the fact is not
+    assert reverse.gold_fact_seen == gold.gold_fact_seen == 1.0
+
+
+def test_gold_fact_in_top_10_counts_only_the_first_ten_units_shown(tools: KnowledgeTools):
+    late, early = finish_result("x", TREAT, "A", []), finish_result("x", TREAT, "A", [])
+    filler = [triple(f"C00000{i:02d}", "isa", HYPERTENSION) for i in range(10)]
+    late.evidence.add_triples([*filler, triple(HYPERTENSION, "may_be_treated_by", AMLODIPINE)])
+    early.evidence.add_triples([triple(HYPERTENSION, "may_be_treated_by", AMLODIPINE), *filler])
+    record_evidence_recall(tools, [TREAT] * 2, [late, early])
+    assert (late.gold_fact_seen, late.gold_fact_top10) == (1.0, 0.0)
+    assert (early.gold_fact_seen, early.gold_fact_top10) == (1.0, 1.0)
+
+
+def test_a_kg_concept_text_states_the_relations_it_lists(tools: KnowledgeTools):
+    listed, named = finish_result("x", TREAT, "A", []), finish_result("x", TREAT, "A", [])
+    listed.evidence.add_concept_text(HYPERTENSION, "Hypertension. Relations: may be treated by amlodipine.")
+    named.evidence.add_concept_text(HYPERTENSION, "Hypertension. Relations: has contraindicated drug amlodipine.")
+    record_evidence_recall(tools, [TREAT] * 2, [listed, named])
+    assert listed.gold_fact_seen == 1.0 and named.gold_fact_seen == 0.0 and named.answer_seen == 1.0
+
+
+def test_model_written_text_never_counts_as_evidence(tools: KnowledgeTools):
+    """i-MedRAG's final call reads the model's own answers to its follow-up queries: those answers name
+    amlodipine and hypertension in one sentence, but only the snippets retrieval showed count."""
+    def reply(conversation: Conversation) -> str:
+        prompt = conversation[-1].content
+        if "## Queries" in prompt:
+            return "## Queries\nwhat treats high blood pressure"
+        if "Answer in one or two sentences" in prompt:
+            return "Amlodipine may treat hypertension."
+        return "<answer>A</answer>"
+
+    (result,) = run_method("irag", [TREAT], tools, ScriptedChatModel(reply), make_config("irag", {"rounds": 1}))
+    assert any("Amlodipine may treat hypertension." in s.output for s in result.steps)
+    assert not result.evidence.texts and result.evidence.chunks  # the snippets, never the model's answers
+    query_answers = [s for s in result.steps if s.action == "query_answer"]
+    assert set(result.evidence.chunks) == {c for s in query_answers for c in s.retrieved_ids}
 
 
 # --------------------------------------------------------------------------- cut-off answers
@@ -249,16 +322,16 @@ def test_summary_reports_evidence_recall_with_its_standard_error_and_truncation_
     results: list[MethodResult] = []
     for pair, answer, truncated in [(1.0, 1.0, True), (0.0, 0.0, False), (0.5, 1.0, False), (None, None, True)]:
         result = finish_result("m", item, "A" if not truncated else None, [])
-        result.evidence_pair_recall, result.evidence_answer_recall, result.truncated = pair, answer, truncated
+        result.gold_fact_seen, result.answer_seen, result.truncated = pair, answer, truncated
         results.append(result)
     (summary,) = summarize(results)
-    assert (summary.evidence_pair_recall, summary.evidence_pair_recall_n) == (0.5, 3)
-    assert summary.evidence_pair_recall_se == pytest.approx(0.5 / math.sqrt(3))  # sample s.d. 0.5
-    assert (summary.answer_in_evidence, summary.answer_in_evidence_n) == (pytest.approx(2 / 3), 3)
+    assert (summary.gold_fact_seen, summary.gold_fact_seen_n) == (0.5, 3)
+    assert summary.gold_fact_seen_se == pytest.approx(0.5 / math.sqrt(3))  # sample s.d. 0.5
+    assert (summary.answer_seen, summary.answer_seen_n) == (pytest.approx(2 / 3), 3)
     assert (summary.truncation_rate, summary.parse_failure_rate) == (0.5, 0.5)
-    assert "| 0.500 ± 0.289 (n=3) | 0.667 ± 0.333 (n=3) |" in markdown_table([summary])
+    assert "| 0.500 ± 0.289 (n=3) | - | 0.667 ± 0.333 (n=3) |" in markdown_table([summary])  # no top-10 values
     (empty,) = summarize([finish_result("m", item, "A", [])])
-    assert math.isnan(empty.evidence_pair_recall) and empty.evidence_pair_recall_n == 0
+    assert math.isnan(empty.gold_fact_seen) and empty.gold_fact_seen_n == 0
     assert "| 0.0% | 0.0% | - | - |" in markdown_table([empty])
 
     # A partition whose items carry no gold still types the recall columns as nullable doubles.
@@ -266,6 +339,6 @@ def test_summary_reports_evidence_recall_with_its_standard_error_and_truncation_
     with warehouse.connect(read_only=True) as con:
         types = dict(con.execute("SELECT column_name, data_type FROM information_schema.columns "
                                  "WHERE table_name = 'm_results'").fetchall())
-        row = con.execute("SELECT evidence_pair_recall, truncated, extra_answer_call FROM eval.m_results").fetchone()
-    assert types["evidence_pair_recall"] == types["evidence_answer_recall"] == "DOUBLE"
+        row = con.execute("SELECT gold_fact_seen, truncated, extra_answer_call FROM eval.m_results").fetchone()
+    assert types["gold_fact_seen"] == types["answer_seen"] == "DOUBLE"
     assert types["truncated"] == types["extra_answer_call"] == "BOOLEAN" and row == (None, True, False)

@@ -42,6 +42,8 @@ LINKS = (("c_long", "c_trial", [AMLODIPINE, HYPERTENSION], 2.0), ("c_guide", "c_
 
 TREAT = QaItem("test", "treat", "Which of the following may treat Hypertension?", OPTIONS, "A",
                extra={"gold_pairs": [sorted([AMLODIPINE, HYPERTENSION])], "answer_cuis": [AMLODIPINE],
+                      "gold_facts": [[f"{HYPERTENSION}|may_be_treated_by|{AMLODIPINE}",
+                                      f"{AMLODIPINE}|may_treat|{HYPERTENSION}"]],
                       "seed_cuis": [HYPERTENSION]})
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -177,12 +179,12 @@ def test_evidence_recall_counts_an_analyzed_chunk_only_within_what_was_shown(ret
                   "<think>read</think><analyze>T1</analyze>", "<think>done</think><answer>A</answer>")
     (trial,) = run_method("graph-r1", [TREAT], tools, ScriptedChatModel(read), config)
     assert trial.steps[1].retrieved_ids == ["c_trial"] and trial.evidence.chunks["c_trial"] is None
-    assert (trial.evidence_pair_recall, trial.evidence_answer_recall) == (1.0, 1.0)
+    assert (trial.gold_fact_seen, trial.answer_seen) == (1.0, 1.0)
     cut = script(f"<think>find</think><traverse>{HYPERTENSION}</traverse>",
                  "<think>read</think><analyze>c_long</analyze>", "<think>done</think><answer>A</answer>")
     (long,) = run_method("graph-r1", [TREAT], tools, ScriptedChatModel(cut), config)
     assert "c_long" in long.evidence.chunks and not long.evidence.triples
-    assert long.evidence_pair_recall == 0.0  # amlodipine comes after the 200 characters shown
+    assert long.gold_fact_seen == 0.0  # amlodipine comes after the 200 characters shown
 
 
 def test_expert_demonstration_reads_the_chunk_that_holds_the_gold_evidence(retriever: Retriever):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -28,6 +29,7 @@ from medgraph.methods.a2rag import gsrm_refine
 from medgraph.methods.tools import KnowledgeTools
 from medgraph.retrieval import Retriever
 from medgraph.storage import Lake, Warehouse
+from medgraph.methods.registry import make_config
 from platform_assets.gsrm import gsrm_params, gsrm_recall
 from resources import EncoderResource, MlflowResource, WarehouseResource
 
@@ -142,8 +144,15 @@ def test_a2rag_evaluation_uses_the_tuned_values_unless_method_config_overrides_t
     overrides, lineage = with_tuned_gsrm(params, ["a2rag", "a2rag-no-hiim"], {"a2rag-no-hiim": {"tau": 0.3}})
     assert overrides == {"a2rag": {"tau": 0.6, "iterations": 1, "top_n": 20},
                          "a2rag-no-hiim": {"tau": 0.3, "iterations": 1, "top_n": 20}}
-    assert lineage == {"gsrm_tau": 0.6, "gsrm_iterations": 1, "gsrm_top_n": 20,
+    assert lineage == {"gsrm_tau": 0.6, "gsrm_iterations": 1, "gsrm_top_n": 20, "gsrm_by_type": "none (one tau/K/N)",
                        "gsrm_params_source": "models/gsrm_params (validation, n=40)"}
+    by_type = {**params, "by_type": {"short_2hop": {"tau": 0.4, "iterations": 2, "top_n": 50}}}
+    overrides, lineage = with_tuned_gsrm(by_type, ["a2rag"], {})
+    config = make_config("a2rag", overrides["a2rag"])
+    assert config.gsrm_by_type == (("short_2hop", 0.4, 2, 50),) and lineage["gsrm_by_type"] == "short_2hop: tau=0.4 K=2 N=50"
+    short_2hop = QaItem("kgqa_short", "s", "?", {}, "x", extra={"question_type": "short_2hop"})
+    other = QaItem("kgqa_mc", "m", "?", {}, "x", extra={"question_type": "mc"})
+    assert config.gsrm_for(short_2hop) == (0.4, 2, 50) and config.gsrm_for(other) == (0.6, 1, 20)
     _, explicit = with_tuned_gsrm(params, ["a2rag"], {"a2rag": {"tau": 0.45}})
     assert explicit["gsrm_tau"] == 0.45 and explicit["gsrm_params_source"] == \
         "models/gsrm_params (validation, n=40) + method_config"
@@ -178,30 +187,40 @@ def test_gsrm_assets_tune_on_validation_and_measure_every_test_item(gsrm_home: P
     params = read_gsrm_params(gsrm_home)
     validation = measurable_items(load_mirage(gsrm_home / "qa" / "qa_items.validation.json"), 6)
     assert params["n"] == len(validation) > 0 and params["split"] == "validation"
-    assert len(params["points"]) == 2 * 2 * 2 and params["grid"]["taus"] == [0.5, 1.01]
-    best = max(p["recall_at10"] for p in params["points"])
-    assert params["recall_at10"] == best and params["tau"] in (0.5, 1.01) and params["top_n"] in (10, 20)
+    assert params["grid"]["taus"] == [0.5, 1.01]
+    types = {i.extra["question_type"] for i in validation}
+    assert set(params["by_type"]) == types  # each type tuned apart, on its own validation items
+    for kind, chosen in params["by_type"].items():
+        assert chosen["n"] == sum(i.extra["question_type"] == kind for i in validation)
+        assert len(chosen["points"]) == 2 * 2 * 2
+        assert chosen["recall_at10"] == max(p["recall_at10"] for p in chosen["points"])
+    assert params["tau"] in (0.5, 1.01) and params["top_n"] in (10, 20)
     (materialization,) = result.asset_materializations_for_node("models__gsrm_params")
     metadata = materialization.metadata
-    assert metadata["tau"].value == params["tau"] and "| tau | K | N |" in metadata["sweep"].value
+    assert metadata["tau"].value == params["tau"] and "| type | tau | K | N |" in metadata["sweep"].value
     run = resources["mlflow_tracking"].tracking().client.get_run(metadata["mlflow_run_id"].value)
-    assert {"chosen_tau", "recall_at10", "recall_at10_tau0.5", "recall_at10_tau1.01"} <= set(run.data.metrics)
+    kind = sorted(types)[0]
+    assert {"chosen_tau", "recall_at10", f"{kind}/recall_at10_tau0.5", f"{kind}/chosen_tau"} <= set(run.data.metrics)
     artifacts = {a.path for a in resources["mlflow_tracking"].tracking().client.list_artifacts(run.info.run_id)}
     assert {"gsrm_params.json", "recall_at10_by_iteration.png"} <= artifacts
 
     test_items = measurable_items(load_mirage(gsrm_home / "qa" / "qa_items.test.json"), 5)
     rows = gsrm_recall_rows(WarehouseResource(home=str(gsrm_home)).get_warehouse())
     assert {r["iteration"] for r in rows} == {0, 1, 2, 3}  # k = 0..max(K, 3): the seed claims need K=2 and K=3
-    assert {r["cutoff"] for r in rows} == {10, params["top_n"]}
+    assert {r["cutoff"] for r in rows} == {10} | {v["top_n"] for v in params["by_type"].values()}
     per_hops = [r for r in rows if r["dataset"] == "all" and r["iteration"] == 0 and r["cutoff"] == 10]
     assert sum(r["n"] for r in per_hops if r["hops"] is not None) == len(test_items) > 0
     (overall,) = [r for r in per_hops if r["hops"] is None]
     assert overall["n"] == len(test_items)
-    assert all(r["tau"] == params["tau"] and 0 <= r["recall"] <= 1 for r in rows)
+    assert all(0 <= r["recall"] <= 1 for r in rows)
     store = WarehouseResource(home=str(gsrm_home)).get_warehouse()
     with store.connect(read_only=True) as con:
-        per_item = con.execute("SELECT count(DISTINCT qid), count(*) FROM eval.gsrm_recall_items").fetchone()
-    assert per_item == (len(test_items), len(test_items) * 4 * len({10, params["top_n"]}))  # k = 0..3
+        per_item = con.execute("SELECT count(DISTINCT qid), count(DISTINCT qid || iteration) FROM "
+                               "eval.gsrm_recall_items").fetchone()
+        taus = dict(con.execute("SELECT qid, any_value(tau) FROM eval.gsrm_recall_items GROUP BY qid").fetchall())
+    assert per_item == (len(test_items), len(test_items) * 4)  # k = 0..3
+    tuned = {kind: v["tau"] for kind, v in params["by_type"].items()}
+    assert all(taus[i.qid] == tuned.get(i.extra["question_type"], params["tau"]) for i in test_items)
     (recall,) = result.asset_materializations_for_node("eval__gsrm_recall")
     assert recall.metadata["items"].value == len(test_items) and "k=2" in recall.metadata["recall"].value
 
@@ -260,14 +279,17 @@ def test_the_recall_table_has_means_with_standard_errors_per_group_and_overall()
 
     curves = [ItemCurve("a", "mc", 1, {10: [1.0, 1.0]}), ItemCurve("b", "mc", 1, {10: [0.0, 1.0]}),
               ItemCurve("c", "short", 2, {10: [0.5, 1.0]})]
-    rows, items = gsrm_recall_table_rows(curves, tau=0.6, top_n=10)
-    assert len(items) == 6 and {"qid", "dataset", "hops", "iteration", "cutoff", "recall"} == set(items[0])
+    curves = [ItemCurve(c.qid, c.dataset, c.hops, c.recall, 0.6 if c.dataset == "mc" else 0.4, 10) for c in curves]
+    rows, items = gsrm_recall_table_rows(curves)
+    assert len(items) == 6 and {"qid", "dataset", "hops", "iteration", "cutoff", "recall", "tau", "top_n"} \
+        == set(items[0])
     by_key = {(r["dataset"], r["hops"], r["iteration"]): r for r in rows}
     mc = by_key[("mc", 1, 0)]
     assert (mc["recall"], mc["n"], mc["tau"], mc["top_n"]) == (0.5, 2, 0.6, 10)
     assert mc["recall_se"] == pytest.approx(0.5)  # sd 0.7071 / sqrt(2)
     assert by_key[("all", None, 0)]["recall"] == pytest.approx(0.5) and by_key[("all", None, 1)]["recall"] == 1.0
     assert by_key[("short", 2, 0)]["recall_se"] == 0.0  # one item: no spread to estimate
+    assert by_key[("short", 2, 0)]["tau"] == 0.4 and math.isnan(by_key[("all", None, 0)]["tau"])  # types mixed
 
 
 def test_mean_curve_averages_items_per_iteration():

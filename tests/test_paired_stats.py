@@ -45,7 +45,7 @@ def test_paired_difference_counts_discordant_questions_and_says_when_n_is_too_sm
 
 def _rows(method: str, correct: list[int], dataset: str = "kgqa_mc", recall: list[float] | None = None):
     return [{"method": method, "dataset": dataset, "qid": f"q{i}", "correct": bool(c), "latency_s": 1.0,
-             "evidence_pair_recall": None if recall is None else recall[i], "asset": "eval_x"}
+             "gold_fact_seen": None if recall is None else recall[i], "asset": "eval_x"}
             for i, c in enumerate(correct)]
 
 
@@ -57,10 +57,10 @@ def test_comparisons_pair_by_question_and_ablations_compare_with_their_method():
     accuracy = found[("a2rag", "rag", "correct")]
     assert (accuracy.n, accuracy.method_better, accuracy.reference_better) == (4, 2, 0)
     assert accuracy.difference == pytest.approx(0.5)
-    assert found[("a2rag", "rag", "evidence_pair_recall")].difference == pytest.approx(0.375)
+    assert found[("a2rag", "rag", "gold_fact_seen")].difference == pytest.approx(0.375)
     assert found[("a2rag-no-hiim", "a2rag", "correct")].difference == pytest.approx(-0.5)
     assert found[("cot", "rag", "correct")].n == 3  # only the questions both answered
-    assert ("a2rag-no-hiim", "a2rag", "evidence_pair_recall") not in found  # no values: no comparison
+    assert ("a2rag-no-hiim", "a2rag", "gold_fact_seen") not in found  # no values: no comparison
     assert ("rag", "rag", "correct") not in found
 
 

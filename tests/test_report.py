@@ -45,12 +45,12 @@ def test_report_compares_ablations_with_their_method_and_shows_gsrm_recall(tmp_p
 def test_report_shows_evidence_recall_paired_differences_gsrm_recall_and_seed_claims(tmp_path: Path):
     summaries = [summary("rag", 0.5), summary("a2rag", 0.6)]
     for row, recall in zip(summaries, (0.4, 0.9)):
-        row.update(evidence_pair_recall=recall, evidence_pair_recall_se=0.05, evidence_pair_recall_n=200,
-                   answer_in_evidence=recall, answer_in_evidence_se=0.05, answer_in_evidence_n=200,
-                   truncation_rate=0.125)
+        row.update(gold_fact_seen=recall, gold_fact_seen_se=0.05, gold_fact_seen_n=200,
+                   gold_fact_top10=recall / 2, gold_fact_top10_se=0.04, gold_fact_top10_n=200,
+                   answer_seen=recall, answer_seen_se=0.05, answer_seen_n=200, truncation_rate=0.125)
     results = [{"method": m, "dataset": "kgqa_mc", "qid": f"q{i}", "latency_s": 1.0 if m == "rag" else 3.0,
                 "correct": i % 2 == 0 or (m == "a2rag" and i % 5 == 0),
-                "evidence_pair_recall": 1.0 if (m == "a2rag" or i % 3 == 0) else 0.0}
+                "gold_fact_seen": 1.0 if (m == "a2rag" or i % 3 == 0) else 0.0}
                for m in ("rag", "a2rag") for i in range(200)]
     comparisons = paired_comparisons(results)
     gsrm = [{"dataset": "kgqa_short", "hops": 2, "iteration": k, "cutoff": 10, "recall": r, "recall_se": 0.03,
@@ -59,10 +59,11 @@ def test_report_shows_evidence_recall_paired_differences_gsrm_recall_and_seed_cl
     claims = seed_claims(summaries, results, comparisons, [])
     paths = build_report(ReportData(summaries, {"LLM": "x"}, {}, comparisons, gsrm, claims), tmp_path)
     markdown = paths["markdown"].read_text(encoding="utf-8")
-    assert "## Evidence recall" in markdown and "| rag | kgqa_mc | 200 | 0.400 | 0.050 |" in markdown
+    assert "## Evidence: what retrieval put in front" in markdown
+    assert "| rag | kgqa_mc | 200 | 0.400 | 0.050 | 0.200 | 0.040 | 200 | 0.400 | 0.050 |" in markdown
     paired = markdown.split("## Paired comparison with rag")[1].split("## ")[0]
-    evidence = next(line for line in paired.splitlines() if "| evidence_pair_recall |" in line)
-    assert "| a2rag | rag | kgqa_mc | evidence_pair_recall | 200 | 1.000 | 0.335 | 0.665 |" in evidence
+    evidence = next(line for line in paired.splitlines() if "| gold_fact_seen |" in line)
+    assert "| a2rag | rag | kgqa_mc | gold_fact_seen | 200 | 1.000 | 0.335 | 0.665 |" in evidence
     assert evidence.endswith("| method better |")
     assert "| kgqa_short | 2 | 2 | 10 | 0.550 | 0.030 | 120 | 0.400 | 50 |" in markdown
     assert "| kgqa_short | 1+2 | 2 | 10 | 0.550 | 0.030 | 300 | 0.400 | 50 |" in markdown
@@ -72,3 +73,32 @@ def test_report_shows_evidence_recall_paired_differences_gsrm_recall_and_seed_cl
     assert "| 0.125 |" in markdown.split("## Accuracy per method")[1].split("##")[0]  # truncation column
     html = paths["html"].read_text(encoding="utf-8")
     assert html.count("data:image/png;base64,") >= 5  # accuracy, evidence, forest, gsrm, cost
+
+
+def test_report_shows_the_shortcut_table_the_reading_check_and_gsrm_per_question_type(tmp_path: Path):
+    from medgraph.eval.report import reading_check
+
+    shortcuts = [{"dataset": "kgqa_mc", "split": "test", "rule": rule, "accuracy": value, "n": 88, "chance": 0.25,
+                  "shortcut": rule != "relation_oracle"}
+                 for rule, value in (("random", 0.25), ("majority", 0.27), ("adjacency", 0.25), ("name_overlap", 0.28),
+                                     ("semantic_type", 0.247), ("relation_oracle", 1.0))]
+    # a2rag showed the gold fact for q0-q3 (3 of them right) and not for q4-q7 (1 right); the oracle: 6 of 8.
+    results = [{"method": "a2rag", "dataset": "kgqa_mc", "qid": f"q{i}", "correct": i in (0, 1, 2, 5),
+                "gold_fact_seen": 1.0 if i < 4 else 0.0} for i in range(8)]
+    results += [{"method": "oracle-evidence", "dataset": "kgqa_mc", "qid": f"q{i}", "correct": i < 6,
+                 "gold_fact_seen": 1.0} for i in range(8)]
+    reading = reading_check(results)
+    assert reading == [{"method": "a2rag", "dataset": "kgqa_mc", "shown_accuracy": 0.75, "shown_n": 4,
+                        "hidden_accuracy": 0.25, "hidden_n": 4, "oracle_accuracy": 0.75, "oracle_n": 8}]
+    params = {"tau": 0.6, "iterations": 0, "top_n": 50, "recall_at10": 0.8, "recall_at_n": 0.9, "n": 80, "note": "",
+              "by_type": {"short_2hop": {"tau": 0.5, "iterations": 1, "top_n": 50, "recall_at10": 0.45,
+                                         "recall_at_n": 0.8, "n": 16, "note": ""}}}
+    data = ReportData([summary("a2rag", 0.5)], {"LLM": "x"}, shortcuts=shortcuts, reading=reading, gsrm_params=params)
+    markdown = build_report(data, tmp_path)["markdown"].read_text(encoding="utf-8")
+    table = markdown.split("## Can structure alone answer the KG questions?")[1].split("## ")[0]
+    assert "| kgqa_mc | test | 88 | 0.250 | 0.270 | 0.250 | 0.280 | 0.247 | 1.000 |" in table
+    check = markdown.split("## Reading check")[1].split("## ")[0]
+    assert "| a2rag | kgqa_mc | 0.750 | 4 | 0.250 | 4 | 0.750 | 8 |" in check
+    gsrm = markdown.split("## GSRM parameters chosen per question type")[1].split("## ")[0]
+    assert "| short_2hop | 0.500 | 1 | 50 | 0.450 | 0.800 | 16 |" in gsrm
+    assert "| pooled (other items) | 0.600 | 0 | 50 | 0.800 | 0.900 | 80 |" in gsrm

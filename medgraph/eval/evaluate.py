@@ -3,10 +3,11 @@
 Metrics follow docs/ARCHITECTURE.md "Evaluation protocol": accuracy with its binomial
 standard error; an unparseable answer counts as wrong and is reported as the
 parse-failure rate, and an answer reply cut at its token budget (asked once
-more for the answer alone) as the truncation rate; evidence recall (the share
-of a question's gold concept pairs, and whether its answer concept, in what
-the answering call was shown) as a mean with its standard error over the
-questions that carry gold; gold-document recall (PubMedQA: whether a chunk of the
+more for the answer alone) as the truncation rate; the evidence metrics (the
+share of a question's gold facts — the gold edge itself or a text stating it —
+in what the answering call was shown, the same within its first ten units, and
+whether an answer concept was named there) as means with their standard errors
+over the questions that carry gold; gold-document recall (PubMedQA: whether a chunk of the
 question's own abstract was among the passages shown, recall@k for rag) likewise;
 cost as tokens per question and latency p50/p95; method
 statistics (A2RAG routing shares and HIIM mode, SEMA-RAG rounds and early
@@ -56,15 +57,19 @@ class MethodSummary:
     # The answer reply hit its token budget without a readable answer (then asked once more): apart from
     # parse failures, which are the questions left without a readable answer in the end.
     truncation_rate: float = 0.0
-    # Mean share of the gold concept pairs in the evidence shown to the answering call, its standard error
-    # of the mean and the number of questions with gold pairs (NaN, NaN, 0 when none has).
-    evidence_pair_recall: float = float("nan")
-    evidence_pair_recall_se: float = float("nan")
-    evidence_pair_recall_n: int = 0
-    # Share of questions whose answer concept was in that evidence, its standard error, and n.
-    answer_in_evidence: float = float("nan")
-    answer_in_evidence_se: float = float("nan")
-    answer_in_evidence_n: int = 0
+    # Evidence metrics (`methods.common.evidence_metrics`): the share of the gold facts (the gold edge itself,
+    # in either listing, or a text that states it) in the evidence shown to the answering call; the same within
+    # its first ten units; whether an answer concept was named there. Each: mean, its standard error of the
+    # mean, and the number of questions that carry gold (NaN, NaN, 0 when none does).
+    gold_fact_seen: float = float("nan")
+    gold_fact_seen_se: float = float("nan")
+    gold_fact_seen_n: int = 0
+    gold_fact_top10: float = float("nan")
+    gold_fact_top10_se: float = float("nan")
+    gold_fact_top10_n: int = 0
+    answer_seen: float = float("nan")
+    answer_seen_se: float = float("nan")
+    answer_seen_n: int = 0
     # Share of questions for which a chunk of their own gold document (PubMedQA: the question's abstract) was
     # among the passages shown to the answering call, its standard error, and n (questions whose gold
     # document is in the corpus).
@@ -146,8 +151,9 @@ def summarize(results: Sequence[MethodResult]) -> list[MethodSummary]:
         n = len(group)
         correct = sum(r.correct for r in group)
         latencies = np.array([r.latency_s for r in group])
-        pair_recall, pair_recall_se, pair_recall_n = mean_and_se([r.evidence_pair_recall for r in group])
-        in_evidence, in_evidence_se, in_evidence_n = mean_and_se([r.evidence_answer_recall for r in group])
+        fact_seen = mean_and_se([r.gold_fact_seen for r in group])
+        fact_top10 = mean_and_se([r.gold_fact_top10 for r in group])
+        answer_seen = mean_and_se([r.answer_seen for r in group])
         doc_recall, doc_recall_se, doc_recall_n = mean_and_se([r.gold_doc_recall for r in group])
         summaries.append(MethodSummary(
             method=method, dataset=dataset, questions=n, accuracy=correct / n, accuracy_se=binomial_se(correct, n),
@@ -159,9 +165,9 @@ def summarize(results: Sequence[MethodResult]) -> list[MethodSummary]:
             latency_p50_s=float(np.percentile(latencies, 50)), latency_p95_s=float(np.percentile(latencies, 95)),
             extra=method_statistics(group),
             truncation_rate=sum(r.truncated for r in group) / n,
-            evidence_pair_recall=pair_recall, evidence_pair_recall_se=pair_recall_se,
-            evidence_pair_recall_n=pair_recall_n, answer_in_evidence=in_evidence,
-            answer_in_evidence_se=in_evidence_se, answer_in_evidence_n=in_evidence_n,
+            gold_fact_seen=fact_seen[0], gold_fact_seen_se=fact_seen[1], gold_fact_seen_n=fact_seen[2],
+            gold_fact_top10=fact_top10[0], gold_fact_top10_se=fact_top10[1], gold_fact_top10_n=fact_top10[2],
+            answer_seen=answer_seen[0], answer_seen_se=answer_seen[1], answer_seen_n=answer_seen[2],
             gold_doc_recall=doc_recall, gold_doc_recall_se=doc_recall_se, gold_doc_recall_n=doc_recall_n,
         ))
     return summaries
@@ -175,14 +181,16 @@ def _mean_cell(mean: float, se: float, n: int) -> str:
 
 
 def markdown_table(summaries: Sequence[MethodSummary]) -> str:
-    columns = ("method", "dataset", "n", "accuracy", "parse failures", "truncated", "evidence pair recall",
-               "answer in evidence", "gold doc recall", "tokens/q", "latency p50 / p95 (s)")
+    columns = ("method", "dataset", "n", "accuracy", "parse failures", "truncated", "gold fact seen",
+               "gold fact in top 10 shown", "answer concept seen", "gold doc recall", "tokens/q",
+               "latency p50 / p95 (s)")
     lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     for s in summaries:
         lines.append(f"| {s.method} | {s.dataset} | {s.questions} | {s.accuracy:.3f} ± {s.accuracy_se:.3f} "
                      f"| {s.parse_failure_rate:.1%} | {s.truncation_rate:.1%} "
-                     f"| {_mean_cell(s.evidence_pair_recall, s.evidence_pair_recall_se, s.evidence_pair_recall_n)} "
-                     f"| {_mean_cell(s.answer_in_evidence, s.answer_in_evidence_se, s.answer_in_evidence_n)} "
+                     f"| {_mean_cell(s.gold_fact_seen, s.gold_fact_seen_se, s.gold_fact_seen_n)} "
+                     f"| {_mean_cell(s.gold_fact_top10, s.gold_fact_top10_se, s.gold_fact_top10_n)} "
+                     f"| {_mean_cell(s.answer_seen, s.answer_seen_se, s.answer_seen_n)} "
                      f"| {_mean_cell(s.gold_doc_recall, s.gold_doc_recall_se, s.gold_doc_recall_n)} "
                      f"| {s.prompt_tokens + s.completion_tokens:.0f} "
                      f"| {s.latency_p50_s:.2f} / {s.latency_p95_s:.2f} |")
@@ -198,13 +206,13 @@ def result_rows(results: Iterable[MethodResult]) -> list[dict[str, object]]:
              "prompt_tokens": r.prompt_tokens, "prompt_tokens_computed": r.prompt_tokens_computed,
              "completion_tokens": r.completion_tokens, "latency_s": r.latency_s,
              "truncated": r.truncated, "extra_answer_call": r.extra_answer_call,
-             "evidence_pair_recall": r.evidence_pair_recall, "evidence_answer_recall": r.evidence_answer_recall,
+             "gold_fact_seen": r.gold_fact_seen, "gold_fact_top10": r.gold_fact_top10, "answer_seen": r.answer_seen,
              "gold_doc_recall": r.gold_doc_recall,
              "stats": json.dumps(r.stats, sort_keys=True, default=str)} for r in results]
 
 
 # Columns that can be null in every row of a partition (evidence recall on items without gold) keep their type.
-_NULLABLE_COLUMNS = {"evidence_pair_recall": pa.float64(), "evidence_answer_recall": pa.float64(),
+_NULLABLE_COLUMNS = {"gold_fact_seen": pa.float64(), "gold_fact_top10": pa.float64(), "answer_seen": pa.float64(),
                      "gold_doc_recall": pa.float64()}
 
 

@@ -73,6 +73,8 @@ class ItemCurve:
     dataset: str
     hops: int
     recall: dict[int, list[float]]  # cutoff -> Recall@cutoff at k = 0..K
+    tau: float = float("nan")  # the threshold the curve was grown with
+    top_n: int = 0  # the N of its type
 
 
 def gsrm_recall_curves(tools: KnowledgeTools, items: Sequence[QaItem], tau: float, iterations: int,
@@ -93,11 +95,31 @@ def gsrm_recall_curves(tools: KnowledgeTools, items: Sequence[QaItem], tau: floa
                               tau, iterations, max(cutoffs), per_relation_limit)
         for item, result in zip(batch, results):
             recall = result.ranked_recall(gold_pairs(item) or (), cutoffs, iterations)
-            curves.append(ItemCurve(item.qid, item.dataset, int(item.extra.get("hops") or 0), recall))
+            curves.append(ItemCurve(item.qid, item.dataset, int(item.extra.get("hops") or 0), recall, float(tau),
+                                    max(cutoffs)))
         if progress is not None:
             progress(f"GSRM recall tau={tau} K={iterations}: {len(curves)}/{len(items)} items, "
                      f"{tools.triples_encoded} triples encoded{_cache_note(tools)}, "
                      f"{time.perf_counter() - started:.0f}s")
+    return curves
+
+
+def gsrm_recall_by_type(tools: KnowledgeTools, items: Sequence[QaItem], params: Mapping[str, object],
+                        min_iterations: int = 3, batch_size: int = 64,
+                        progress: Callable[[str], None] | None = None) -> list[ItemCurve]:
+    """Recall@10 and Recall@N at k = 0..max(K, min_iterations) for each measurable item, each question type
+    with its own tuned tau, K and N (the pooled choice for a type that was not tuned)."""
+    by_type = params_by_type(params)
+    default = (float(params["tau"]), int(params["iterations"]), int(params["top_n"]))
+    hub_guard = params.get("max_triples_per_relation", A2RagConfig.max_triples_per_relation)
+    groups: dict[str, list[QaItem]] = {}
+    for item in measurable_items(items):
+        groups.setdefault(question_type(item), []).append(item)
+    curves: list[ItemCurve] = []
+    for kind, group in sorted(groups.items()):
+        tau, iterations, top_n = by_type.get(kind, default)
+        curves += gsrm_recall_curves(tools, group, tau, max(iterations, min_iterations),
+                                     sorted({RECALL_CUTOFF, top_n}), hub_guard, batch_size, progress=progress)
     return curves
 
 
@@ -185,6 +207,39 @@ def sweep_gsrm(tools: KnowledgeTools, items: Sequence[QaItem], taus: Sequence[fl
                      per_relation_limit, grid)
 
 
+def question_type(item: QaItem) -> str:
+    """The KG question type GSRM is tuned for (mc, mc_2hop, yesno, short_1hop, short_2hop); "other" for
+    items that carry none (MIRAGE, PubMedQA), which use the pooled choice."""
+    return str(item.extra.get("question_type") or "other")
+
+
+def sweep_gsrm_by_type(tools: KnowledgeTools, items: Sequence[QaItem], taus: Sequence[float] = DEFAULT_TAUS,
+                       iterations: Sequence[int] = DEFAULT_ITERATIONS, top_ns: Sequence[int] = DEFAULT_TOP_NS,
+                       per_relation_limit: int | None = A2RagConfig.max_triples_per_relation, batch_size: int = 64,
+                       progress: Callable[[str], None] | None = None) -> dict[str, GsrmSweep]:
+    """`sweep_gsrm` on each question type's items apart: refinement can only act where the gold fact is
+    not already in G_0 (2-hop short answers), and pooling types would hide that."""
+    by_type: dict[str, list[QaItem]] = {}
+    for item in measurable_items(items):
+        by_type.setdefault(question_type(item), []).append(item)
+    return {kind: sweep_gsrm(tools, group, taus, iterations, top_ns, per_relation_limit, batch_size, progress)
+            for kind, group in sorted(by_type.items())}
+
+
+def pooled_points(sweeps: Mapping[str, GsrmSweep]) -> list[SweepPoint]:
+    """The grid over every type's items together (each type's means weighted by its n)."""
+    groups: dict[tuple[float, int, int], list[SweepPoint]] = {}
+    for sweep in sweeps.values():
+        for p in sweep.points:
+            groups.setdefault((p.tau, p.iterations, p.top_n), []).append(p)
+    pooled = []
+    for (tau, k, top_n), points in groups.items():
+        n = sum(p.n for p in points)
+        pooled.append(SweepPoint(tau, k, top_n, sum(p.recall_at10 * p.n for p in points) / max(n, 1),
+                                 sum(p.recall_at_n * p.n for p in points) / max(n, 1), n))
+    return pooled
+
+
 def choose_gsrm_params(points: Sequence[SweepPoint], tolerance: float = TOP_N_TOLERANCE) -> GsrmChoice:
     """(tau, K) with the highest Recall@10 after K iterations, ties to the smaller K, then the larger tau;
     N the smallest grid N whose Recall@N at that (tau, K) is within `tolerance` of the best grid N's."""
@@ -199,51 +254,65 @@ def choose_gsrm_params(points: Sequence[SweepPoint], tolerance: float = TOP_N_TO
     return GsrmChoice(pick.tau, pick.iterations, pick.top_n, pick.recall_at10, pick.recall_at_n, pick.n, note)
 
 
-def sweep_markdown(sweep: GsrmSweep, choice: GsrmChoice) -> str:
-    """The grid as a Markdown table, the chosen point marked."""
-    lines = ["| tau | K | N | Recall@10 | Recall@N | n | chosen |", "|---|---|---|---|---|---|---|"]
-    for p in sweep.points:
-        chosen = "**yes**" if (p.tau, p.iterations, p.top_n) == (choice.tau, choice.iterations, choice.top_n) else ""
-        lines.append(f"| {p.tau:g} | {p.iterations} | {p.top_n} | {p.recall_at10:.3f} | {p.recall_at_n:.3f} "
-                     f"| {p.n} | {chosen} |")
+def sweep_markdown(sweeps: Mapping[str, GsrmSweep], choices: Mapping[str, GsrmChoice]) -> str:
+    """Every type's grid as one Markdown table, each type's chosen point marked."""
+    lines = ["| type | tau | K | N | Recall@10 | Recall@N | n | chosen |", "|---|---|---|---|---|---|---|---|"]
+    for kind, sweep in sweeps.items():
+        choice = choices[kind]
+        for p in sweep.points:
+            chosen = "**yes**" if (p.tau, p.iterations, p.top_n) == (choice.tau, choice.iterations, choice.top_n) \
+                else ""
+            lines.append(f"| {kind} | {p.tau:g} | {p.iterations} | {p.top_n} | {p.recall_at10:.3f} "
+                         f"| {p.recall_at_n:.3f} | {p.n} | {chosen} |")
     return "\n".join(lines)
 
 
-def sweep_figure(sweep: GsrmSweep):  # -> matplotlib Figure
-    """Recall@10 against k, one line per tau."""
+def sweep_figure(sweeps: Mapping[str, GsrmSweep]):  # -> matplotlib Figure
+    """Recall@10 against k, one panel per question type, one line per tau."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axis = plt.subplots(figsize=(6, 3.5))
-    for tau, by_cutoff in sweep.curves.items():
-        values = by_cutoff.get(RECALL_CUTOFF, [])
-        axis.plot(range(len(values)), values, "o-", label=f"tau={tau:g}")
-    axis.set_xlabel("refinement iteration k")
-    axis.set_ylabel("Recall@10")
-    axis.set_title(f"GSRM Recall@10 by iteration (validation, n={sweep.n})")
-    axis.legend(fontsize=8)
+    fig, axes = plt.subplots(1, max(len(sweeps), 1), figsize=(3.2 * max(len(sweeps), 1), 3.4), squeeze=False)
+    for axis, (kind, sweep) in zip(axes[0], sweeps.items()):
+        for tau, by_cutoff in sweep.curves.items():
+            values = by_cutoff.get(RECALL_CUTOFF, [])
+            axis.plot(range(len(values)), values, "o-", label=f"tau={tau:g}")
+        axis.set_xlabel("refinement iteration k")
+        axis.set_title(f"{kind} (n={sweep.n})", fontsize=9)
+    axes[0][0].set_ylabel("Recall@10 (validation)")
+    axes[0][0].legend(fontsize=7)
     fig.tight_layout()
     return fig
 
 
-def log_sweep(sweep: GsrmSweep, choice: GsrmChoice, params_file: Path) -> None:
-    """Into the active MLflow run: the grid (params), one Recall@c-by-k curve per tau and cutoff (metric
-    `recall_at<c>_tau<tau>`, step k), the choice, the parameters file and the Recall@10 plot."""
+def log_sweep(sweeps: Mapping[str, GsrmSweep], choices: Mapping[str, GsrmChoice], default: GsrmChoice,
+              params_file: Path) -> None:
+    """Into the active MLflow run: the grid (params), each type's Recall@c-by-k curve per tau and cutoff
+    (metric `<type>/recall_at<c>_tau<tau>`, step k), each type's choice and the pooled default, the parameters
+    file and the Recall@10 plot."""
     import mlflow
 
-    mlflow.log_params({**{k: str(v) for k, v in sweep.grid.items()}, "items": sweep.n, "split": "validation",
-                       "max_triples_per_relation": str(sweep.max_triples_per_relation)})
-    for tau, curves in sweep.curves.items():
-        for cutoff, values in curves.items():
-            for k, value in enumerate(values):
-                mlflow.log_metric(f"recall_at{cutoff}_tau{tau:g}", value, step=k)
-    mlflow.log_metrics({"chosen_tau": choice.tau, "chosen_iterations": choice.iterations,
-                        "chosen_top_n": choice.top_n, "recall_at10": choice.recall_at10,
-                        "recall_at_n": choice.recall_at_n, "sweep_seconds": sweep.seconds})
+    first = next(iter(sweeps.values()), None)
+    mlflow.log_params({**({k: str(v) for k, v in first.grid.items()} if first else {}), "split": "validation",
+                       "items": sum(s.n for s in sweeps.values()),
+                       "max_triples_per_relation": str(first.max_triples_per_relation if first else None)})
+    for kind, sweep in sweeps.items():
+        for tau, curves in sweep.curves.items():
+            for cutoff, values in curves.items():
+                for k, value in enumerate(values):
+                    mlflow.log_metric(f"{kind}/recall_at{cutoff}_tau{tau:g}", value, step=k)
+        choice = choices[kind]
+        mlflow.log_metrics({f"{kind}/chosen_tau": choice.tau, f"{kind}/chosen_iterations": choice.iterations,
+                            f"{kind}/chosen_top_n": choice.top_n, f"{kind}/recall_at10": choice.recall_at10,
+                            f"{kind}/items": choice.n})
+    mlflow.log_metrics({"chosen_tau": default.tau, "chosen_iterations": default.iterations,
+                        "chosen_top_n": default.top_n, "recall_at10": default.recall_at10,
+                        "recall_at_n": default.recall_at_n,
+                        "sweep_seconds": sum(s.seconds for s in sweeps.values())})
     mlflow.log_artifact(str(params_file))
-    mlflow.log_figure(sweep_figure(sweep), "recall_at10_by_iteration.png")
+    mlflow.log_figure(sweep_figure(sweeps), "recall_at10_by_iteration.png")
 
 
 # --------------------------------------------------------------------------- the chosen parameters on disk
@@ -253,14 +322,24 @@ def params_path(home: Path) -> Path:
     return Path(home) / "models" / "gsrm_params.json"
 
 
-def write_gsrm_params(home: Path, choice: GsrmChoice, sweep: GsrmSweep) -> Path:
-    """`$MEDGRAPH_HOME/models/gsrm_params.json` (atomically): the choice, its n, the grid and every point."""
-    path = params_path(home)
-    payload = {**asdict(choice), "split": "validation", "grid": sweep.grid,
-               "max_triples_per_relation": sweep.max_triples_per_relation,
-               "points": [asdict(p) for p in sweep.points], "seconds": round(sweep.seconds, 1),
-               "triples_encoded": sweep.triples_encoded}
-    return write_atomically(path, json.dumps(payload, indent=2))
+def write_gsrm_params(home: Path, default: GsrmChoice, sweeps: Mapping[str, GsrmSweep],
+                      choices: Mapping[str, GsrmChoice]) -> Path:
+    """`$MEDGRAPH_HOME/models/gsrm_params.json` (atomically): the pooled choice (items of no tuned type use it),
+    and under `by_type` each question type's choice, its n and its grid points."""
+    first = next(iter(sweeps.values()), None)
+    payload = {**asdict(default), "split": "validation", "grid": first.grid if first else {},
+               "max_triples_per_relation": first.max_triples_per_relation if first else None,
+               "by_type": {kind: {**asdict(choices[kind]), "points": [asdict(p) for p in sweeps[kind].points]}
+                           for kind in sweeps},
+               "seconds": round(sum(s.seconds for s in sweeps.values()), 1),
+               "triples_encoded": max((s.triples_encoded for s in sweeps.values()), default=0)}
+    return write_atomically(params_path(home), json.dumps(payload, indent=2))
+
+
+def params_by_type(params: Mapping[str, object] | None) -> dict[str, tuple[float, int, int]]:
+    """question type -> (tau, K, N) from a gsrm_params.json payload ({} without one, or without `by_type`)."""
+    by_type = (params or {}).get("by_type") or {}
+    return {kind: (float(v["tau"]), int(v["iterations"]), int(v["top_n"])) for kind, v in by_type.items()}
 
 
 def read_gsrm_params(home: Path) -> dict[str, object] | None:
@@ -272,25 +351,30 @@ def read_gsrm_params(home: Path) -> dict[str, object] | None:
 # --------------------------------------------------------------------------- the test-split table
 
 
-def gsrm_recall_table_rows(curves: Sequence[ItemCurve], tau: float, top_n: int) -> tuple[list[dict], list[dict]]:
+def gsrm_recall_table_rows(curves: Sequence[ItemCurve]) -> tuple[list[dict], list[dict]]:
     """(`eval.gsrm_recall` rows, `eval.gsrm_recall_items` rows). The first has the mean Recall@c and its
-    standard error over the items of each (dataset, hops), iteration and cutoff, plus `dataset = "all"`
-    rows over every dataset per hops and, with `hops` NULL, over 1- and 2-hop items together."""
+    standard error over the items of each (dataset, hops) — one question type each —, iteration and cutoff,
+    with the tau and N that type was measured with; plus `dataset = "all"` rows over every dataset per hops
+    and, with `hops` NULL, over 1- and 2-hop items together (tau NaN where types with another tau mix)."""
     item_rows = [{"qid": c.qid, "dataset": c.dataset, "hops": c.hops, "iteration": k, "cutoff": cutoff,
-                  "recall": float(value)}
+                  "recall": float(value), "tau": c.tau, "top_n": c.top_n}
                  for c in curves for cutoff, values in sorted(c.recall.items()) for k, value in enumerate(values)]
-    groups: dict[tuple[str, int | None, int, int], list[float]] = {}
+    groups: dict[tuple[str, int | None, int, int], list[dict]] = {}
     for row in item_rows:
         for dataset, hops in ((row["dataset"], row["hops"]), ("all", row["hops"]), ("all", None)):
-            groups.setdefault((dataset, hops, row["iteration"], row["cutoff"]), []).append(row["recall"])
+            groups.setdefault((dataset, hops, row["iteration"], row["cutoff"]), []).append(row)
     rows = []
     order = sorted(groups, key=lambda g: (g[0] == "all", g[0], g[1] is None, g[1] or 0, g[2], g[3]))
     for dataset, hops, iteration, cutoff in order:
-        values = groups[(dataset, hops, iteration, cutoff)]
+        group = groups[(dataset, hops, iteration, cutoff)]
+        values = [r["recall"] for r in group]
         n = len(values)
         se = float(np.std(values, ddof=1) / math.sqrt(n)) if n > 1 else 0.0
+        taus, top_ns = {r["tau"] for r in group}, {r["top_n"] for r in group}
         rows.append({"dataset": dataset, "hops": hops, "iteration": iteration, "cutoff": cutoff,
-                     "recall": float(np.mean(values)), "recall_se": se, "n": n, "tau": float(tau), "top_n": int(top_n)})
+                     "recall": float(np.mean(values)), "recall_se": se, "n": n,
+                     "tau": taus.pop() if len(taus) == 1 else float("nan"),
+                     "top_n": top_ns.pop() if len(top_ns) == 1 else 0})
     return rows, item_rows
 
 
@@ -329,31 +413,39 @@ GSRM_FIELDS = {"tau": "gsrm_tau", "iterations": "gsrm_iterations", "top_n": "gsr
 
 def with_tuned_gsrm(params: Mapping[str, object] | None, methods: Sequence[str],
                     overrides: Mapping[str, Mapping[str, object]]) -> tuple[dict[str, dict[str, object]], dict[str, object]]:
-    """(overrides, lineage): the tuned tau, K and N under every A2RAG method or ablation in `methods`, explicit
-    `overrides` winning field by field; the lineage says what the first of them runs with and where it came from
-    (`gsrm_params_source`: "models/gsrm_params", "method_config", both, or the defaults)."""
+    """(overrides, lineage): the tuned tau, K and N (pooled, and per question type) under every A2RAG method or
+    ablation in `methods`, explicit `overrides` winning field by field; the lineage says what the first of them
+    runs with and where it came from (`gsrm_params_source`: "models/gsrm_params", "method_config", both, or
+    the defaults)."""
     from medgraph.methods.registry import make_config, method_of
 
     merged = {name: dict(values) for name, values in overrides.items()}
     a2rag = [m for m in methods if method_of(m) == "a2rag"]
-    tuned = {key: params[key] for key in GSRM_FIELDS if params and key in params}
+    tuned: dict[str, object] = {key: params[key] for key in GSRM_FIELDS if params and key in params}
+    if params_by_type(params):
+        tuned["gsrm_by_type"] = [[kind, *values] for kind, values in sorted(params_by_type(params).items())]
     for method in a2rag:
         merged[method] = {**tuned, **merged.get(method, {})}
     if not a2rag:
         return merged, {}
     first = a2rag[0]
     config = make_config(first, merged.get(first))
-    explicit = set(overrides.get(first, {})) & set(GSRM_FIELDS)
+    explicit = set(overrides.get(first, {})) & {*GSRM_FIELDS, "gsrm_by_type"}
     sources = ([f"models/gsrm_params (validation, n={params.get('n')})"] if set(tuned) - explicit else []) + \
               (["method_config"] if explicit else [])
     lineage: dict[str, object] = {label: getattr(config, key) for key, label in GSRM_FIELDS.items()}
+    lineage["gsrm_by_type"] = "; ".join(f"{kind}: tau={tau:g} K={k} N={n}"
+                                        for kind, tau, k, n in config.gsrm_by_type) or "none (one tau/K/N)"
     lineage["gsrm_params_source"] = " + ".join(sources) or "A2RagConfig defaults (no models/gsrm_params.json)"
     return merged, lineage
 
 
 def tuned_a2rag_config(home: Path) -> A2RagConfig:
-    """A2RAG's configuration with the tau, K and N that models/gsrm_params chose (the defaults without it),
-    so that whatever trains on A2RAG's retrieval (the HIIM projector) sees what evaluation will."""
+    """A2RAG's configuration with the tau, K and N that models/gsrm_params chose, pooled and per question type
+    (the defaults without it), so that whatever trains on A2RAG's retrieval (the HIIM projector) sees what
+    evaluation will."""
     params = read_gsrm_params(home) or {}
-    return replace(A2RagConfig(), **{key: type(getattr(A2RagConfig(), key))(params[key])
-                                     for key in GSRM_FIELDS if key in params})
+    fields: dict[str, object] = {key: type(getattr(A2RagConfig(), key))(params[key])
+                                 for key in GSRM_FIELDS if key in params}
+    fields["gsrm_by_type"] = tuple((kind, *values) for kind, values in sorted(params_by_type(params).items()))
+    return replace(A2RagConfig(), **fields)

@@ -19,7 +19,7 @@ from medgraph.storage import Warehouse
 RESULTS_SUFFIX = "_results"
 DEFAULT_REFERENCE = "rag"
 # Per-question outcomes compared: correctness, and the evidence-recall columns where the results have them.
-METRICS = ("correct", "evidence_pair_recall", "evidence_answer_recall")
+METRICS = ("correct", "gold_fact_seen", "answer_seen")
 
 
 @dataclass(frozen=True)

@@ -38,6 +38,9 @@ class ReportData:
     gsrm_recall: list[dict[str, object]] = field(default_factory=list)  # rows of eval.gsrm_recall
     claims: list[Claim] = field(default_factory=list)  # the seed papers' claims vs our measurements
     reference: str = "rag"
+    shortcuts: list[dict[str, object]] = field(default_factory=list)  # rows of qa.qa_shortcuts
+    reading: list[dict[str, object]] = field(default_factory=list)  # the reading check (`reading_check`)
+    gsrm_params: dict[str, object] = field(default_factory=dict)  # models/gsrm_params.json
 
 
 def read_table(warehouse: Warehouse, table: str) -> list[dict[str, object]]:
@@ -160,16 +163,17 @@ def curve_plot(curves: Mapping[str, Sequence[tuple[int, float]]], title: str) ->
 
 def evidence_plot(summaries: Sequence[Mapping[str, object]]) -> str | None:
     """Bars: share of gold facts (pairs) and of answers present in what the answering LLM saw, ± 1 s.e."""
-    rows = [s for s in summaries if _number(s.get("evidence_pair_recall_n")) > 0]
+    rows = [s for s in summaries if _number(s.get("gold_fact_seen_n")) > 0]
     if not rows:
         return None
     plt = _plt()
     labels = [f"{s['method']}\n{s['dataset']}" for s in rows]
     xs = range(len(rows))
     fig, axis = plt.subplots(figsize=(max(6, 0.9 * len(rows) + 2), 3.8))
-    for offset, key, label in ((-0.2, "evidence_pair_recall", "gold facts seen"),
-                               (0.2, "answer_in_evidence", "answer concept seen")):
-        axis.bar([x + offset for x in xs], [_number(s.get(key)) for s in rows], 0.4,
+    for offset, key, label in ((-0.27, "gold_fact_seen", "gold fact seen"),
+                               (0.0, "gold_fact_top10", "gold fact in top 10 shown"),
+                               (0.27, "answer_seen", "answer concept seen")):
+        axis.bar([x + offset for x in xs], [_number(s.get(key)) for s in rows], 0.27,
                  yerr=[_number(s.get(f"{key}_se")) for s in rows], capsize=3, label=label)
     axis.set_xticks(list(xs), labels, fontsize=7, rotation=30)
     axis.set_ylim(0, 1.05)
@@ -271,6 +275,17 @@ def _ablation_rows(summaries: Sequence[Mapping[str, object]],
     return rows
 
 
+def _cell(value: object) -> object:
+    return "-" if value is None or (isinstance(value, float) and math.isnan(value)) else value
+
+
+def _grouped(rows: Sequence[Mapping[str, object]], keys: Sequence[str]) -> list[tuple[tuple, list]]:
+    groups: dict[tuple, list] = {}
+    for row in rows:
+        groups.setdefault(tuple(row[k] for k in keys), []).append(row)
+    return sorted(groups.items(), key=lambda item: tuple(str(k) for k in item[0]))
+
+
 def _interval(c: Comparison) -> str:
     return f"[{c.ci_low:+.3f}, {c.ci_high:+.3f}]"
 
@@ -311,6 +326,19 @@ def build_report(data: ReportData, out_dir: Path) -> dict[str, Path]:
     note = _sample_size_note(data.comparisons)
     sections.append(("Can this run separate the methods?", note, f"<p>{_html_paragraphs(note)}</p>", None))
 
+    if data.shortcuts:
+        from medgraph.kg.shortcuts import MARGIN, ORACLE, SHORTCUTS
+
+        header = ["dataset", "split", "n", *SHORTCUTS, f"{ORACLE} (ceiling)"]
+        table_rows = []
+        for (dataset, split), group in _grouped(data.shortcuts, ("dataset", "split")):
+            by_rule = {r["rule"]: r for r in group}
+            table_rows.append((dataset, split, max(int(r["n"]) for r in group),
+                               *(_cell(by_rule[r]["accuracy"]) if r in by_rule else "-" for r in (*SHORTCUTS, ORACLE))))
+        md, tab = _table(header, table_rows)
+        sections.append((f"Can structure alone answer the KG questions? (no-LLM shortcuts; the blocking check keeps "
+                         f"each within chance + {MARGIN:.2f} on test; `random` is chance)", md, tab, None))
+
     rows = [(s["method"], s["dataset"], s["questions"], float(s["accuracy"]), float(s["accuracy_se"]),
              float(s["parse_failure_rate"]), _number(s.get("truncation_rate")), float(s["mean_f1"]))
             for s in summaries]
@@ -318,15 +346,27 @@ def build_report(data: ReportData, out_dir: Path) -> dict[str, Path]:
                       "F1"], rows)
     sections.append(("Accuracy per method and dataset", md, tab, accuracy_plot(summaries) if summaries else None))
 
-    evidence = [(s["method"], s["dataset"], int(_number(s.get("evidence_pair_recall_n"))),
-                 _number(s.get("evidence_pair_recall")), _number(s.get("evidence_pair_recall_se")),
-                 _number(s.get("answer_in_evidence")), _number(s.get("answer_in_evidence_se")))
-                for s in summaries if _number(s.get("evidence_pair_recall_n")) > 0]
+    evidence = [(s["method"], s["dataset"], int(_number(s.get("gold_fact_seen_n"))),
+                 _number(s.get("gold_fact_seen")), _number(s.get("gold_fact_seen_se")),
+                 _number(s.get("gold_fact_top10")), _number(s.get("gold_fact_top10_se")),
+                 int(_number(s.get("answer_seen_n"))), _number(s.get("answer_seen")), _number(s.get("answer_seen_se")))
+                for s in summaries if _number(s.get("gold_fact_seen_n")) > 0 or _number(s.get("answer_seen_n")) > 0]
     if evidence:
-        md, tab = _table(["method", "dataset", "n (with gold)", "gold facts seen", "s.e.", "answer seen", "s.e."],
-                         evidence)
-        sections.append(("Evidence recall (gold facts in what the answering LLM saw)", md, tab,
-                         evidence_plot(summaries)))
+        md, tab = _table(["method", "dataset", "n (gold facts)", "gold fact seen", "s.e.", "gold fact in top 10 shown",
+                          "s.e.", "n (answer concept)", "answer concept seen", "s.e."], evidence)
+        sections.append(("Evidence: what retrieval put in front of the answering call (the gold edge itself or a "
+                         "text stating it; a triple of another relation between the same concepts does not count; "
+                         "text a model wrote never counts)", md, tab, evidence_plot(summaries)))
+
+    if data.reading:
+        md, tab = _table(["method", "dataset", "accuracy, gold fact shown", "n", "accuracy, not shown", "n",
+                          "oracle evidence (same reader)", "n"],
+                         [(r["method"], r["dataset"], _cell(r["shown_accuracy"]), r["shown_n"],
+                           _cell(r["hidden_accuracy"]), r["hidden_n"], _cell(r["oracle_accuracy"]), r["oracle_n"])
+                          for r in data.reading])
+        sections.append(("Reading check: retrieval miss or reading failure? (accuracy where the method showed every "
+                         "gold fact vs where it did not; `oracle-evidence` gives the reader exactly the gold facts and "
+                         "wrong-relation triples of the same concepts: its ceiling)", md, tab, None))
 
     own_document = [(s["method"], s["dataset"], int(_number(s.get("gold_doc_recall_n"))),
                      _number(s.get("gold_doc_recall")), _number(s.get("gold_doc_recall_se")))
@@ -362,6 +402,18 @@ def build_report(data: ReportData, out_dir: Path) -> dict[str, Path]:
                                                                            r["iteration"]))])
         sections.append(("GSRM Recall@10 / @N per refinement iteration (test split, no LLM)", md, tab,
                          gsrm_recall_plot(data.gsrm_recall)))
+
+    by_type = (data.gsrm_params or {}).get("by_type") or {}
+    if by_type:
+        md, tab = _table(["question type", "tau", "K", "N", "Recall@10 after K", "Recall@N", "n (validation)", "note"],
+                         [(kind, float(v["tau"]), v["iterations"], v["top_n"], float(v["recall_at10"]),
+                           float(v["recall_at_n"]), v["n"], v.get("note", "")) for kind, v in sorted(by_type.items())]
+                         + [("pooled (other items)", float(data.gsrm_params["tau"]), data.gsrm_params["iterations"],
+                             data.gsrm_params["top_n"], float(data.gsrm_params["recall_at10"]),
+                             float(data.gsrm_params["recall_at_n"]), data.gsrm_params["n"],
+                             data.gsrm_params.get("note", ""))])
+        sections.append(("GSRM parameters chosen per question type (validation; A2RAG uses its item's type's)", md,
+                         tab, None))
 
     if data.claims:
         md, tab = _table(["claim", "seed", "measured here", "95% CI", "n", "verdict"],
@@ -421,9 +473,31 @@ def build_report(data: ReportData, out_dir: Path) -> dict[str, Path]:
     return paths
 
 
+def reading_check(results: Sequence[Mapping[str, object]], oracle: str = "oracle-evidence") -> list[dict[str, object]]:
+    """Per (method, dataset): accuracy on the questions whose gold facts the method showed (every one) and on
+    those where it did not, and the `oracle-evidence` accuracy on the same dataset (the reader's ceiling)."""
+    groups: dict[tuple[str, str], list[Mapping[str, object]]] = {}
+    for row in results:
+        groups.setdefault((str(row["method"]), str(row["dataset"])), []).append(row)
+    rows = []
+    for (method, dataset), group in sorted(groups.items()):
+        measured = [r for r in group if r.get("gold_fact_seen") is not None
+                    and not (isinstance(r["gold_fact_seen"], float) and math.isnan(r["gold_fact_seen"]))]
+        if not measured or method == oracle:
+            continue
+        shown = [bool(r["correct"]) for r in measured if float(r["gold_fact_seen"]) >= 1.0]
+        hidden = [bool(r["correct"]) for r in measured if float(r["gold_fact_seen"]) < 1.0]
+        ceiling = [bool(r["correct"]) for r in groups.get((oracle, dataset), [])]
+        rows.append({"method": method, "dataset": dataset,
+                     "shown_accuracy": sum(shown) / len(shown) if shown else None, "shown_n": len(shown),
+                     "hidden_accuracy": sum(hidden) / len(hidden) if hidden else None, "hidden_n": len(hidden),
+                     "oracle_accuracy": sum(ceiling) / len(ceiling) if ceiling else None, "oracle_n": len(ceiling)})
+    return rows
+
+
 def assemble(warehouse: Warehouse, lineage: Mapping[str, str],
              reward_curves: Mapping[str, Sequence[tuple[int, float]]] | None = None,
-             reference: str = "rag") -> ReportData:
+             reference: str = "rag", gsrm_params: Mapping[str, object] | None = None) -> ReportData:
     """Everything the report shows, from the eval tables: summaries, paired comparisons (also written to
     `eval.paired_comparisons`), GSRM recall and the seed-claims table."""
     from medgraph.eval.claims import seed_claims
@@ -438,5 +512,8 @@ def assemble(warehouse: Warehouse, lineage: Mapping[str, str],
         write_partition(warehouse, "paired_comparisons", "all", [c.as_row() for c in comparisons])
     claims = seed_claims(summaries, results, comparisons, read_table(warehouse, "gsrm_recall_items"),
                          lineage.get("graph-r1 policy"))
+    from medgraph.kg.shortcuts import read_shortcuts
+
     return ReportData(summaries, dict(lineage), {k: list(v) for k, v in (reward_curves or {}).items()},
-                      comparisons, read_table(warehouse, "gsrm_recall"), claims, reference)
+                      comparisons, read_table(warehouse, "gsrm_recall"), claims, reference,
+                      read_shortcuts(warehouse), reading_check(results), dict(gsrm_params or {}))

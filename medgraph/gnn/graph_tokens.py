@@ -39,7 +39,7 @@ from medgraph.gnn.model import GatModel
 from medgraph.kg.graph import KnowledgeGraph, Triple
 from medgraph.llm.base import ChatModel, Message
 from medgraph.llm.hf import autocast
-from medgraph.methods.a2rag import A2RagConfig, answer_conversation, gsrm_refine
+from medgraph.methods.a2rag import A2RagConfig, answer_conversation, gsrm_items
 from medgraph.s3 import S3Lake
 from medgraph.settings import profile_config
 from medgraph.storage import Lake, Warehouse
@@ -220,10 +220,7 @@ def _gsrm_evidence(tools: KnowledgeTools, items: Sequence[QaItem], a2rag: A2RagC
     found: list[list[Triple]] = []
     for start in range(0, len(items), batch_size):
         batch = items[start: start + batch_size]
-        entities = tools.question_entities(batch)
-        results = gsrm_refine(tools, entities, [item.question for item in batch], a2rag.tau, a2rag.iterations,
-                              a2rag.top_n, a2rag.max_triples_per_relation)
-        found += [[t for t, _ in result.triples] for result in results]
+        found += [[t for t, _ in result.triples] for result in gsrm_items(tools, batch, a2rag)]
     return found
 
 

@@ -4,17 +4,25 @@ Why: Graph-R1's GRPO reward needs questions whose answers a program can check,
 and A2RAG's threshold is tuned on a validation split; the KG provides both for
 free. Every item is read off edges of `kg.kg_edges`, so the answer is true by
 construction and the edges that make it true are stored as its gold path.
-Every wrong option and every "no" is checked against the graph: the concept is
-not linked to the question entity at all, and it is neither an ancestor nor a
-descendant (through `isa`/CHD edges) of a correct answer, so it cannot be
-right "by inheritance" either.
+
+The questions must need retrieval: structure alone must not answer them
+(`medgraph.kg.shortcuts` measures it; a blocking check keeps every no-LLM
+shortcut within chance + 0.10 on test). So every wrong option, and the object
+of every "no", is a neighbour of the question concept under ANOTHER relation
+and of the answer's semantic type: "the option linked to the question concept"
+and "the option of the right type" say nothing, only the relation does. Each
+is verified not to be an answer (no edge of the asked relation, or one worded
+alike, in either listing) and is neither an ancestor nor a descendant of a
+correct answer. Short answers are asked only where a random concept near the
+question concepts is rarely correct (`QaLimits.max_adjacency_chance`).
 
 Question types (dataset names in the MIRAGE files in brackets):
     mc          [kgqa_mc]    "Which of the following may treat <disease>?": one correct
-                             concept and three distractors of the same semantic type,
-                             siblings of the answer first
-    yesno       [kgqa_yesno] "Is <phenotype> a manifestation of <disease>?", alternating
-                             yes (an edge) and no (a verified non-edge)
+                             concept and three of the subject's other neighbours of its type
+    mc_2hop     [kgqa_mc]    "Which of the following may treat a condition with <phenotype> as a
+                             manifestation?": wrong options two edges away through other relations
+    yesno       [kgqa_yesno] "Is <phenotype> a manifestation of <disease>?", in pairs from one
+                             subject: yes (an edge) and no (a neighbour under another relation)
     short_1hop  [kgqa_short] "What is the mechanism of action of <drug>?"
     short_2hop  [kgqa_short] chains, "Which drug may treat a condition with <phenotype> as a
                              manifestation?", and intersections, "What has <phenotype> as a

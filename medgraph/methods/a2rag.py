@@ -65,12 +65,25 @@ class A2RagConfig:
     tau: float = 0.5  # GSRM expansion threshold (tune on validation only)
     iterations: int = 2  # GSRM K
     top_n: int = 50  # GSRM N
+    # (question type, tau, K, N) per KG question type (models/gsrm_params tunes them apart: refinement can
+    # only act where the gold fact is not in G_0); an item of another type uses tau, K, N above.
+    gsrm_by_type: tuple[tuple[str, float, int, int], ...] = ()
     max_triples_per_relation: int | None = 50  # hub guard per (entity, relation); None: every edge
     text_k: int = 5  # passages per T_Text call
     observe_triples: int = 15  # triples an AWC observation shows (the answer sees `context_triples`)
     context_triples: int = 30
     max_new_tokens: int = 96
     demonstration: bool = True  # one worked AWC exchange before the question (small models follow it)
+
+    def __post_init__(self) -> None:  # run config and JSON give lists
+        object.__setattr__(self, "gsrm_by_type", tuple((str(kind), float(tau), int(k), int(n))
+                                                       for kind, tau, k, n in self.gsrm_by_type))
+
+    def gsrm_for(self, item: QaItem) -> tuple[float, int, int]:
+        """(tau, K, N) for this item: its question type's, else the configured ones."""
+        kind = item.extra.get("question_type")
+        return next(((tau, k, n) for t, tau, k, n in self.gsrm_by_type if t == kind),
+                    (self.tau, self.iterations, self.top_n))
 
 
 @dataclass
@@ -166,6 +179,23 @@ def gsrm_refine(tools: KnowledgeTools, entity_sets: Sequence[Sequence[str]], que
         results[i].triples = [(triples[j], scores[j]) for j in order]
         results[i].subgraph, results[i].scores = triples, scores
     return results
+
+
+def gsrm_items(tools: KnowledgeTools, items: Sequence[QaItem], config: A2RagConfig) -> list[GsrmResult]:
+    """A2RAG's T_KG retrieval for a batch of questions: E_q linked, then GSRM with each item's tau, K and N
+    (`A2RagConfig.gsrm_for`; K = 0 for the `one_hop` ablation), one `gsrm_refine` per distinct setting."""
+    entities = tools.question_entities(items)
+    groups: dict[tuple[float, int, int], list[int]] = {}
+    for i, item in enumerate(items):
+        tau, iterations, top_n = config.gsrm_for(item)
+        groups.setdefault((tau, iterations if config.retrieval == "gsrm" else 0, top_n), []).append(i)
+    results: list[GsrmResult | None] = [None] * len(items)
+    for (tau, iterations, top_n), ids in groups.items():
+        found = gsrm_refine(tools, [entities[i] for i in ids], [items[i].question for i in ids], tau, iterations,
+                            top_n, config.max_triples_per_relation)
+        for i, result in zip(ids, found, strict=True):
+            results[i] = result
+    return [r for r in results if r is not None]
 
 
 def record_gold_recall(tools: KnowledgeTools, results: Sequence[GsrmResult],
@@ -288,10 +318,7 @@ class A2Rag:
             hits = self.tools.retriever.search_edges([item.question for item in items], k=config.top_n)
             results = [GsrmResult(list(row), [len(row)], [], [], [t for t, _ in row]) for row in hits]
         else:
-            entities = self.tools.question_entities(items)
-            iterations = config.iterations if config.retrieval == "gsrm" else 0
-            results = gsrm_refine(self.tools, entities, [item.question for item in items], config.tau,
-                                  iterations, config.top_n, config.max_triples_per_relation)
+            results = gsrm_items(self.tools, items, config)
         record_gold_recall(self.tools, results, [gold_edge_ids(item) for item in items])
         return results
 
@@ -351,9 +378,10 @@ class A2Rag:
     def _search_graph(self, item: QaItem, step: Step, evidence: _Evidence, tools_used: set[str],
                       stats: dict[str, object]) -> Generator[Request, Any, str]:
         config = self.config
-        step.arguments = {"retrieval": config.retrieval, "top_n": config.top_n}
+        tau, iterations, top_n = config.gsrm_for(item)
+        step.arguments = {"retrieval": config.retrieval, "top_n": top_n}
         if config.retrieval == "gsrm":
-            step.arguments.update(tau=config.tau, iterations=config.iterations)
+            step.arguments.update(tau=tau, iterations=iterations)
         if T_KG in tools_used:
             step.notes = "knowledge graph already searched"
             return f"(the knowledge graph was already searched; its facts are above. Choose {T_TEXT} or {T_FINAL}.)"

@@ -7,6 +7,12 @@
   question go to one answer call.
 - `rag-kg`: OUR variant, not a published baseline: `rag`'s snippets plus the KG triples of the
   concepts linked in the question and its options. The two rows differ only by the triples.
+- `oracle-evidence`: not a method but each reader's ceiling: the reader is shown exactly the item's gold
+  facts (KG-derived items) mixed with wrong-relation triples of the same concepts (for multiple choice the
+  question concept's triples to the wrong options; otherwise as many as there are gold facts; a "no"
+  question: the triples that do link its two concepts), and answers. A method whose accuracy is far below
+  this ceiling lost in retrieval; one near it with the gold fact shown, or below it with the gold fact
+  shown, tells a reading failure apart.
 - `irag`: i-MedRAG (Xiong et al. 2024, "Improving Retrieval-Augmented Generation in Medicine with
   Iterative Follow-up Questions"; code: Teddy-XiongGZ/MedRAG `i_medrag_answer`): each round the
   model analyses what it knows and writes follow-up queries; EACH query is answered by the model
@@ -27,6 +33,7 @@ Where we depart from the published code, and why:
 
 from __future__ import annotations
 
+import random
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -37,6 +44,8 @@ from medgraph.llm.base import ChatModel, Completion, GenerationConfig, system, u
 from medgraph.methods.agent import Episode, Generate, ToolCall, answer_call
 from medgraph.methods.common import (
     EvidenceSeen,
+    gold_edge_ids,
+    gold_facts,
     Step,
     answer_instruction,
     finish_result,
@@ -158,6 +167,70 @@ class MedRagWithTriples(MedRag):
         return [(p, [t for t, _ in row]) for p, row in zip(passages, triples)]
 
 
+@dataclass(frozen=True)
+class OracleEvidenceConfig:
+    """The reading ceiling: gold facts plus wrong-relation triples of the same concepts, nothing else."""
+
+    max_wrong: int = 6  # wrong-relation triples at most
+    max_new_tokens: int = 64
+
+
+class OracleEvidence:
+    """Each reader's ceiling on KG questions: the gold facts (the gold path's triples) and wrong-relation
+    triples of the same concepts, shuffled (seeded by the question), as the only evidence, in `rag-kg`'s
+    prompt layout."""
+
+    name = "oracle-evidence"
+
+    def __init__(self, tools: KnowledgeTools, llm: ChatModel, config: OracleEvidenceConfig = OracleEvidenceConfig()):
+        self.tools, self.config = tools, config
+        self.generation = GenerationConfig(max_new_tokens=config.max_new_tokens)
+
+    def episode(self, item: QaItem) -> Episode:
+        output = yield ToolCall(self.retrieve, item)
+        triples: list[Triple] = output.value
+        steps = [Step(index=0, action="oracle_evidence", retrieved_ids=[t.edge_id for t in triples],
+                      latency_s=output.latency_s)]
+        evidence = EvidenceSeen()
+        evidence.add_triples(triples)
+        sections = ["Here are relevant knowledge graph facts:\n" + format_triples(triples)] if triples else []
+        steps[0].observation = "\n\n".join(sections)
+        sections += [format_question(item), answer_instruction(item)]
+        reply = yield from answer_call(item, [system(EXPERT), user("\n\n".join(sections))], self.generation, steps)
+        return finish_result(self.name, item, reply, steps, {"oracle_facts": len(triples)}, evidence)
+
+    def retrieve(self, items: list[QaItem]) -> list[list[Triple]]:
+        graph = self.tools.retriever.graph
+        gold = {t.edge_id: t for t in graph.triples({e for item in items for e in gold_edge_ids(item) or ()})}
+        concepts = {c for item in items for key in ("seed_cuis", "option_cuis") for c in item.extra.get(key) or ()}
+        concepts |= {c for t in gold.values() for c in (t.src_cui, t.dst_cui)}
+        by_concept: dict[str, list[Triple]] = {}
+        for triple in graph.one_hop(sorted(concepts)):
+            by_concept.setdefault(triple.src_cui, []).append(triple)
+        return [self._evidence(item, gold, by_concept) for item in items]
+
+    def _evidence(self, item: QaItem, gold: dict[str, Triple], by_concept: dict[str, list[Triple]]) -> list[Triple]:
+        facts = [gold[e] for e in gold_edge_ids(item) or () if e in gold]
+        stated = {f"{t.src_cui}|{t.relation}|{t.dst_cui}" for t in facts}
+        stated |= {key for fact in gold_facts(item) or () for key in fact}
+        ends = {c for t in facts for c in (t.src_cui, t.dst_cui)} | set(item.extra.get("seed_cuis") or ())
+        answers = set(item.extra.get("answer_cuis") or ())
+        wrong_options = [c for c in item.extra.get("option_cuis") or () if c not in answers]
+        wrong = [t for c in sorted(ends) for t in by_concept.get(c, [])
+                 if f"{t.src_cui}|{t.relation}|{t.dst_cui}" not in stated]
+        rng = random.Random(item.qid)
+        if wrong_options:  # multiple choice: the question concept's triples to each wrong option
+            wrong = [t for t in wrong if t.dst_cui in wrong_options or t.src_cui in wrong_options]
+        elif not facts:  # a "no": what does link the two concepts
+            wrong = [t for t in wrong if {t.src_cui, t.dst_cui} <= ends]
+        else:
+            rng.shuffle(wrong)
+            wrong = wrong[: len(facts)]
+        shown = facts + wrong[: self.config.max_wrong]
+        rng.shuffle(shown)
+        return shown
+
+
 # --------------------------------------------------------------------------- i-MedRAG
 
 
@@ -276,10 +349,11 @@ class IterativeRag:
         context = f"Follow-up queries and their answers:\n{format_query_answers(pairs)}\n\n" if pairs else ""
         prompt = (f"{context}{format_question(item)}\n\nThink step by step about all the information, briefly. "
                   f"Then: {answer_instruction(item)}")
-        # The final call sees the query-answer pairs, not the snippets behind them: each pair is shown text.
+        # Evidence is what was retrieved, never what a model wrote: the final call reads the model's answers
+        # to the follow-up queries, so what i-MedRAG's retrieval showed is the snippets those answers were
+        # written from (each cut as its prompt cut it).
         evidence = EvidenceSeen()
-        for query, answer_text in pairs:
-            evidence.add_text(format_query_answers([(query, answer_text)]))
+        evidence.add_chunks(snippets, config.passage_chars)
         reply = yield from answer_call(item, [system(EXPERT), user(prompt)], self.generation, steps)
         stats = {"follow_up_rounds": config.rounds, "follow_up_queries": len(pairs), "query_snippets": len(snippets)}
         return finish_result(self.name, item, reply, steps, stats, evidence)

@@ -248,6 +248,14 @@ def gold_pairs(item: QaItem) -> tuple[frozenset[str], ...] | None:
     return pairs or None
 
 
+def gold_facts(item: QaItem) -> tuple[frozenset[str], ...] | None:
+    """Each gold edge of the item as the keys "src|relation|dst" that state it (the edge and its inverse
+    listing; KG-derived items carry `gold_facts`); None when the item has none."""
+    value = item.extra.get("gold_facts")
+    facts = tuple(frozenset(str(key) for key in keys) for keys in value or () if keys)
+    return facts or None
+
+
 def answer_cuis(item: QaItem) -> tuple[str, ...] | None:
     """The concepts of the correct answer (KG-derived items), or None when unknown or empty."""
     value = item.extra.get("answer_cuis")
@@ -266,27 +274,37 @@ def gold_doc_ids(item: QaItem) -> tuple[str, ...] | None:
 
 @dataclass
 class EvidenceSeen:
-    """What a method put in front of the model that gives the final answer, and nothing else: the
-    triples, chunks and concept texts of that call's context (for a conversation, of every turn
-    still in it). Evidence recall is computed from it after the run (`evidence_recall`)."""
+    """What a method retrieved and put in front of the model that gives the final answer, and nothing else:
+    the triples, chunks and concept texts of that call's context (for a conversation, of every turn still
+    in it), in the order they were shown. Never text a model wrote: a model's summary of a passage is not
+    the passage. Evidence metrics are computed from it after the run (`registry.record_evidence_recall`)."""
 
-    triples: dict[str, tuple[str, str]] = field(default_factory=dict)  # edge id -> (src CUI, dst CUI)
+    triples: dict[str, tuple[str, str, str]] = field(default_factory=dict)  # edge id -> (src, relation, dst)
     chunks: dict[str, int | None] = field(default_factory=dict)  # chunk id -> characters shown (None: all)
     concept_texts: dict[str, str] = field(default_factory=dict)  # CUI -> its text as shown
     concepts: list[str] = field(default_factory=list)  # CUIs listed by name (search hits)
-    texts: list[str] = field(default_factory=list)  # any other text shown
+    texts: list[str] = field(default_factory=list)  # other retrieved text shown (e.g. a chunk's title)
+    order: list[tuple[str, str]] = field(default_factory=list)  # (kind, id) of each unit, first shown first
+
+    def _shown(self, kind: str, key: str) -> None:
+        if (kind, key) not in self.order:
+            self.order.append((kind, key))
 
     def add_triples(self, triples: Iterable[Triple]) -> None:
-        self.triples.update((t.edge_id, (t.src_cui, t.dst_cui)) for t in triples)
+        for t in triples:
+            self.triples[t.edge_id] = (t.src_cui, t.relation, t.dst_cui)
+            self._shown("triple", t.edge_id)
 
     def add_chunks(self, chunk_ids: Iterable[str], shown_chars: int | None = None) -> None:
         """Chunks shown up to `shown_chars` characters (a passage cut for the prompt)."""
         for chunk_id in chunk_ids:
             before = self.chunks.get(chunk_id, 0)
             self.chunks[chunk_id] = None if before is None or shown_chars is None else max(before, shown_chars)
+            self._shown("chunk", chunk_id)
 
     def add_concept_text(self, cui: str, text: str) -> None:
         self.concept_texts[cui] = f"{self.concept_texts[cui]}\n{text}" if cui in self.concept_texts else text
+        self._shown("concept_text", cui)
 
     def add_concepts(self, cuis: Iterable[str]) -> None:
         self.concepts += [c for c in cuis if c not in self.concepts]
@@ -294,42 +312,74 @@ class EvidenceSeen:
     def add_text(self, text: str) -> None:
         if text.strip():
             self.texts.append(text)
+            self._shown("text", str(len(self.texts) - 1))
 
     def add(self, other: EvidenceSeen) -> None:
         """Everything `other` holds as well (evidence shown by several steps of one conversation)."""
-        self.triples.update(other.triples)
-        for chunk_id, shown_chars in other.chunks.items():
-            self.add_chunks([chunk_id], shown_chars)
-        for cui, text in other.concept_texts.items():
-            self.add_concept_text(cui, text)
+        offset = len(self.texts)
+        for kind, key in other.order:
+            if kind == "triple":
+                self.triples[key] = other.triples[key]
+            elif kind == "chunk":
+                self.add_chunks([key], other.chunks[key])
+                continue
+            elif kind == "concept_text":
+                self.add_concept_text(key, other.concept_texts[key])
+                continue
+            else:
+                self.texts.append(other.texts[int(key)])
+                key = str(offset + int(key))
+            self._shown(kind, key)
         self.add_concepts(other.concepts)
-        self.texts += other.texts
 
     @property
     def empty(self) -> bool:
         return not (self.triples or self.chunks or self.concept_texts or self.concepts or self.texts)
 
 
-def evidence_recall(evidence: EvidenceSeen, pairs: Sequence[frozenset[str]] | None,
-                    answers: Sequence[str] | None, mention_sets: Sequence[set[str]]) -> tuple[float | None, float | None]:
-    """(pair recall, answer recall) of one result.
+TOP_SHOWN = 10  # "gold fact in the top 10 shown": among the first ten evidence units
 
-    `mention_sets` are the concepts each shown text mentions (one set per chunk, per concept text
-    (including the concept itself), per free text). A gold pair {a, b} is covered when a shown triple
-    connects a and b (any relation, either direction) or one text mentions both; the answer is in
-    the evidence when one of its concepts is a triple's endpoint, a listed concept or mentioned.
-    None where the item has no gold pairs / answer concepts.
-    """
-    pair_recall = answer_recall = None
-    if pairs:
-        edges = {frozenset(ends) for ends in evidence.triples.values()}
-        covered = [pair in edges or any(pair <= mentioned for mentioned in mention_sets) for pair in pairs]
-        pair_recall = sum(covered) / len(covered)
+
+@dataclass(frozen=True)
+class ShownUnit:
+    """One evidence unit as the evidence metrics read it: the gold-fact keys it states and the concepts it
+    names (a triple: its two ends; a text: every concept a sentence of it mentions)."""
+
+    states: frozenset[str]  # "src|relation|dst" keys stated (a triple: itself; a text: see `text_states`)
+    cooccurring: tuple[frozenset[str], ...]  # concepts named together in one sentence (texts)
+    concepts: frozenset[str]
+
+
+def fact_stated(fact: frozenset[str], unit: ShownUnit) -> bool:
+    """A gold fact (its alternative keys) is stated by a unit: a triple that is one of the keys (the same
+    relation, in either listing), or a text that states one (a KG concept text listing that relation to
+    that concept, or one sentence naming both concepts). A triple of another relation between the same
+    two concepts does not state it."""
+    if fact & unit.states:
+        return True
+    ends = {frozenset((key.split("|")[0], key.split("|")[2])) for key in fact}
+    return any(pair <= together for pair in ends for together in unit.cooccurring)
+
+
+@dataclass(frozen=True)
+class EvidenceMetrics:
+    gold_fact_seen: float | None  # share of the gold facts stated anywhere in what was shown
+    gold_fact_top10: float | None  # ... within the first TOP_SHOWN units shown
+    answer_seen: float | None  # 1.0 when an answer concept is named in what was shown
+
+
+def evidence_metrics(units: Sequence[ShownUnit], facts: Sequence[frozenset[str]] | None,
+                     answers: Sequence[str] | None) -> EvidenceMetrics:
+    """The evidence metrics of one result from its shown units (in the order shown). None where the item
+    has no gold facts / answer concepts."""
+    seen = top = answer = None
+    if facts:
+        seen = sum(any(fact_stated(f, u) for u in units) for f in facts) / len(facts)
+        top = sum(any(fact_stated(f, u) for u in units[:TOP_SHOWN]) for f in facts) / len(facts)
     if answers:
-        seen = {c for ends in evidence.triples.values() for c in ends} | set(evidence.concepts)
-        seen |= {c for mentioned in mention_sets for c in mentioned}
-        answer_recall = float(any(c in seen for c in answers))
-    return pair_recall, answer_recall
+        named = set().union(*(u.concepts for u in units)) if units else set()
+        answer = float(any(c in named for c in answers))
+    return EvidenceMetrics(seen, top, answer)
 
 
 def gold_doc_recall(evidence: EvidenceSeen, gold_docs: Sequence[str],
@@ -382,8 +432,9 @@ class MethodResult:
     stats: dict[str, object] = field(default_factory=dict)
     truncated: bool = False  # the answer reply hit its token budget without a readable answer
     extra_answer_call: bool = False  # ... so the model was asked once more for just the answer
-    evidence_pair_recall: float | None = None  # set after the run (see `evidence_recall`)
-    evidence_answer_recall: float | None = None
+    gold_fact_seen: float | None = None  # set after the run (see `evidence_metrics`)
+    gold_fact_top10: float | None = None
+    answer_seen: float | None = None
     gold_doc_recall: float | None = None  # a chunk of the question's own document was shown
     # What the answering model was shown; kept out of `as_dict` and the traces (the steps hold it as text).
     evidence: EvidenceSeen = field(default_factory=EvidenceSeen, repr=False)

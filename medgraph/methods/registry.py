@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import re
+from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -26,16 +28,20 @@ from medgraph.methods.baselines import (
     IterativeRagConfig,
     MedRag,
     MedRagWithTriples,
+    OracleEvidence,
+    OracleEvidenceConfig,
     RagConfig,
     RagKgConfig,
 )
 from medgraph.methods.common import (
+    EvidenceMetrics,
     MethodResult,
+    ShownUnit,
     answer_cuis,
-    evidence_recall,
+    evidence_metrics,
     gold_doc_ids,
     gold_doc_recall,
-    gold_pairs,
+    gold_facts,
 )
 from medgraph.methods.graph_r1 import GraphR1, GraphR1Config
 from medgraph.methods.sema_rag import SemaRag, SemaRagConfig
@@ -75,6 +81,9 @@ METHODS: dict[str, MethodSpec] = {
                       "MedRAG: text snippets only (BM25 + dense fused by RRF), one answer call"),
     "rag-kg": MethodSpec(RagKgConfig, lambda tools, llm, config, gt: MedRagWithTriples(tools, llm, config),
                          "our variant of MedRAG: the same snippets plus the question concepts' KG triples"),
+    "oracle-evidence": MethodSpec(
+        OracleEvidenceConfig, lambda tools, llm, config, gt: OracleEvidence(tools, llm, config),
+        "the reading ceiling: the gold facts and wrong-relation triples of the same concepts, nothing else"),
     "irag": MethodSpec(IterativeRagConfig, lambda tools, llm, config, gt: IterativeRag(tools, llm, config),
                        "i-MedRAG: rounds of follow-up queries, each answered from its own snippets; "
                        "the query-answer pairs are the next round's and the final answer's context"),
@@ -156,28 +165,87 @@ def run_method(name: str, items: Sequence[QaItem], retriever: Retriever | Knowle
     return results
 
 
+_SENTENCE_END = re.compile(r"(?<=[.!?])\s+")
+
+
+def _sentence_spans(text: str) -> list[tuple[int, int]]:
+    """(start, end) character spans of the sentences of a text."""
+    spans, start = [], 0
+    for boundary in _SENTENCE_END.finditer(text):
+        spans.append((start, boundary.start()))
+        start = boundary.end()
+    return spans + [(start, len(text))]
+
+
+def _chunk_unit(text: str, mentions: Sequence[tuple[str, int, int]], limit: int | None) -> ShownUnit:
+    """A chunk shown up to `limit` characters: the concepts each of its sentences names within them."""
+    spans = _sentence_spans(text)
+    by_sentence: list[set[str]] = [set() for _ in spans]
+    for cui, start, end in mentions:
+        if limit is not None and end > limit:
+            continue
+        index = next((k for k, (a, b) in enumerate(spans) if a <= start < max(b, a + 1)), len(spans) - 1)
+        by_sentence[index].add(cui)
+    together = tuple(frozenset(s) for s in by_sentence if len(s) > 1)
+    return ShownUnit(frozenset(), together, frozenset().union(*by_sentence))
+
+
+def _concept_text_states(cui: str, text: str, facts: Sequence[frozenset[str]], names: dict[str, str]) -> frozenset[str]:
+    """The fact keys a KG concept text states: "<relation words> <object name>" of the concept's own
+    edges, as `kg_node_text` writes its relations."""
+    lowered = text.lower()
+    stated = set()
+    for key in (k for fact in facts for k in fact):
+        head, relation, tail = key.split("|")
+        if head == cui and tail in names and f"{relation.replace('_', ' ')} {names[tail]}".lower() in lowered:
+            stated.add(key)
+    return frozenset(stated)
+
+
 def record_evidence_recall(tools: KnowledgeTools, items: Sequence[QaItem], results: Sequence[MethodResult]) -> None:
-    """Set each result's `evidence_pair_recall` and `evidence_answer_recall` (also in its stats) from
-    the evidence its answering call was shown: one mentions lookup for every shown chunk and one
-    dictionary pass over every other shown text. None where the item carries no gold pairs / answer
-    concepts (e.g. MIRAGE items)."""
-    gold = [(gold_pairs(item), answer_cuis(item)) for item in items]
-    measured = {i for i, (pairs, answers) in enumerate(gold) if pairs or answers}
-    shown_chunks = tools.chunk_mentions([c for i in measured for c in results[i].evidence.chunks])
-    texts = [(i, cui, text) for i in sorted(measured) for cui, text in results[i].evidence.concept_texts.items()]
-    texts += [(i, None, text) for i in sorted(measured) for text in results[i].evidence.texts]
-    in_texts: dict[int, list[set[str]]] = {}
-    for (i, cui, _), mentioned in zip(texts, tools.mentioned_concepts([t for _, _, t in texts]) if texts else []):
-        # A concept's own text is about that concept even where it never names it.
-        in_texts.setdefault(i, []).append(set(mentioned) | ({cui} if cui else set()))
+    """Set each result's `gold_fact_seen`, `gold_fact_top10` and `answer_seen` (also in its stats) from
+    the evidence its answering call was shown (`common.evidence_metrics`): one mentions lookup for every
+    shown chunk, one dictionary pass over the sentences of every other shown text. None where the item
+    carries no gold facts / answer concepts (e.g. MIRAGE items, a "no" question's facts)."""
+    gold = [(gold_facts(item), answer_cuis(item)) for item in items]
+    measured = [i for i, (facts, answers) in enumerate(gold) if facts or answers]
+    chunk_ids = sorted({c for i in measured for c in results[i].evidence.chunks})
+    mentions = tools.chunk_mentions(chunk_ids)
+    chunk_texts = {chunk_id: chunk.text for chunk_id, chunk in tools.retriever.chunks(chunk_ids).items()}
+    heads_and_tails = {part for i in measured for fact in gold[i][0] or () for key in fact
+                       for part in key.split("|")[::2]}
+    names = {cui: node.name for cui, node in tools.retriever.nodes(sorted(heads_and_tails)).items()}
+    sentences = [(i, k, sentence) for i in measured for k, text in enumerate(results[i].evidence.texts)
+                 for sentence in _SENTENCE_END.split(text)]
+    sentences += [(i, cui, sentence) for i in measured for cui, text in results[i].evidence.concept_texts.items()
+                  for sentence in _SENTENCE_END.split(text)]
+    in_sentences: dict[tuple[int, object], list[set[str]]] = defaultdict(list)
+    for (i, key, _), cuis in zip(sentences, tools.mentioned_concepts([t for *_, t in sentences]) if sentences else []):
+        in_sentences[(i, key)].append(set(cuis))
     for i, result in enumerate(results):
-        pair_recall = answer_recall = None
-        if i in measured:
-            in_chunks = [{cui for cui, end in shown_chunks.get(chunk_id, []) if limit is None or end <= limit}
-                         for chunk_id, limit in result.evidence.chunks.items()]
-            pair_recall, answer_recall = evidence_recall(result.evidence, *gold[i], in_chunks + in_texts.get(i, []))
-        result.evidence_pair_recall, result.evidence_answer_recall = pair_recall, answer_recall
-        result.stats.update(evidence_pair_recall=pair_recall, evidence_answer_recall=answer_recall)
+        metrics = EvidenceMetrics(None, None, None)
+        if i in set(measured):
+            evidence, facts = result.evidence, gold[i][0] or ()
+            units = []
+            for kind, key in evidence.order:
+                if kind == "triple":
+                    src, relation, dst = evidence.triples[key]
+                    units.append(ShownUnit(frozenset({f"{src}|{relation}|{dst}"}), (), frozenset({src, dst})))
+                elif kind == "chunk":
+                    units.append(_chunk_unit(chunk_texts.get(key, ""), mentions.get(key, []), evidence.chunks[key]))
+                elif kind == "concept_text":  # about the concept even where it never names it
+                    named = frozenset({key}).union(*in_sentences.get((i, key), []))
+                    states = _concept_text_states(key, evidence.concept_texts[key], facts, names)
+                    units.append(ShownUnit(states, (), named))
+                else:
+                    together = tuple(frozenset(s) for s in in_sentences.get((i, int(key)), []))
+                    units.append(ShownUnit(frozenset(), together, frozenset().union(*together)))
+            units.append(ShownUnit(frozenset(), (), frozenset(evidence.concepts)))  # listed by name only
+            metrics = evidence_metrics(units, gold[i][0], gold[i][1])
+        result.gold_fact_seen, result.gold_fact_top10 = metrics.gold_fact_seen, metrics.gold_fact_top10
+        result.answer_seen = metrics.answer_seen
+        result.stats.update(gold_fact_seen=metrics.gold_fact_seen, gold_fact_top10=metrics.gold_fact_top10,
+                            answer_seen=metrics.answer_seen)
 
 
 def record_gold_doc_recall(tools: KnowledgeTools, items: Sequence[QaItem], results: Sequence[MethodResult]) -> None:

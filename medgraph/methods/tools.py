@@ -195,27 +195,28 @@ class KnowledgeTools:
                 for row in hits]
 
     # -- what shown evidence mentions (evidence recall) ---------------------------------------------------
-    def chunk_mentions(self, chunk_ids: Sequence[str]) -> dict[str, list[tuple[str, int]]]:
-        """(CUI, end character) of each concept mention in each chunk, scoring >= min_fuzzy_score: one
-        query of `kg.kg_chunk_mentions`, or, where that table is not built, the same dictionary
-        matcher run over the chunks now."""
+    def chunk_mentions(self, chunk_ids: Sequence[str]) -> dict[str, list[tuple[str, int, int]]]:
+        """(CUI, start character, end character) of each concept mention in each chunk, scoring >=
+        min_fuzzy_score: one query of `kg.kg_chunk_mentions`, or, where that table is not built, the same
+        dictionary matcher run over the chunks now."""
         wanted = sorted(set(chunk_ids))
         if not wanted:
             return {}
         con = self.retriever.graph.con
         built = con.execute("SELECT count(*) FROM information_schema.tables WHERE table_schema = $schema "
                             "AND table_name = $table", {"schema": MENTIONS_SCHEMA, "table": MENTIONS_TABLE}).fetchone()
-        found: dict[str, list[tuple[str, int]]] = {c: [] for c in wanted}
+        found: dict[str, list[tuple[str, int, int]]] = {c: [] for c in wanted}
         if built and built[0]:
             rows = con.execute(
-                f"SELECT chunk_id, cui, end_char FROM {MENTIONS_SCHEMA}.{MENTIONS_TABLE} "
+                f"SELECT chunk_id, cui, start_char, end_char FROM {MENTIONS_SCHEMA}.{MENTIONS_TABLE} "
                 "WHERE chunk_id IN (SELECT unnest($ids)) AND score >= $min_score ORDER BY chunk_id, start_char",
                 {"ids": wanted, "min_score": self.min_fuzzy_score},
             ).fetchall()
-            for chunk_id, cui, end_char in rows:
-                found[chunk_id].append((cui, int(end_char)))
+            for chunk_id, cui, start_char, end_char in rows:
+                found[chunk_id].append((cui, int(start_char), int(end_char)))
             return found
         for chunk_id, chunk in self.retriever.chunks(wanted).items():
-            found[chunk_id] = [(m.cui, m.end_char) for m in self.dictionary.find(TextChunk(chunk_id, "", chunk.text))
+            found[chunk_id] = [(m.cui, m.start_char, m.end_char)
+                               for m in self.dictionary.find(TextChunk(chunk_id, "", chunk.text))
                                if m.score >= self.min_fuzzy_score]
         return found

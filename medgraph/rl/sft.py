@@ -68,16 +68,18 @@ def load_qa_items(warehouse: Warehouse, split: str, limit: int | None = None, se
     with warehouse.connect(read_only=True) as con:
         rows = con.execute(
             "SELECT dataset, qid, question, options, answer, acceptable_answers, gold_path, seed_cuis, answer_cuis, "
-            "option_cuis, question_type, relations FROM qa.qa_items WHERE split = ? ORDER BY qid", [split]).fetchall()
+            "option_cuis, question_type, relations, gold_pairs, gold_facts, hops FROM qa.qa_items WHERE split = ? "
+            "ORDER BY qid", [split]).fetchall()
     if limit is not None and limit < len(rows):
         rows = sorted(random.Random(seed).sample(rows, limit), key=lambda row: row[1])
     return [QaItem(dataset=dataset, qid=qid, question=question, options=json.loads(options or "{}"), answer=answer,
                    acceptable_answers=tuple(acceptable or ()),
                    extra={"gold_path": list(gold), "seed_cuis": list(seeds), "answer_cuis": list(answers),
                           "option_cuis": list(option_cuis or ()), "question_type": question_type,
-                          "relations": list(relations or ())})
+                          "relations": list(relations or ()), "gold_pairs": [list(p) for p in pairs or ()],
+                          "gold_facts": [list(f) for f in facts or ()], "hops": hops})
             for dataset, qid, question, options, answer, acceptable, gold, seeds, answers, option_cuis,
-            question_type, relations in rows]
+            question_type, relations, pairs, facts, hops in rows]
 
 
 # --------------------------------------------------------------------------- the expert
