@@ -140,7 +140,10 @@ def _eval_asset(name: str, methods: tuple[str, ...], model_deps: tuple[dg.AssetK
         if environment:  # the trained policy's environment; method_config still wins
             overrides = {m: {**environment, **overrides.get(m, {})} if m in policies else overrides.get(m, {})
                          for m in {*overrides, *policies}}
-            lineage["graph_r1_environment"] = ", ".join(f"{k}={v}" for k, v in sorted(environment.items()))
+            lineage["graph_r1_environment"] = (
+                ", ".join(f"{k}={v}" for k, v in sorted(environment.items()))
+                + " (the environment the policy was trained in, not the design's 10 steps and ~500-token analyze: "
+                  "a policy is evaluated where it learned; the CPU profiles train in a smaller one for speed)")
         if name == "eval_a2rag":  # tau, K, N tuned on validation by models/gsrm_params; method_config still wins
             overrides, gsrm_lineage = with_tuned_gsrm(read_gsrm_params(home), config.methods or methods, overrides)
             lineage.update(gsrm_lineage)
@@ -324,10 +327,10 @@ def evaluation_report(context: dg.AssetExecutionContext, config: ReportConfig, w
     for name in (model.name for model in MODELS.values()):
         lineage[f"{name}@champion"] = f"v{tracking.champion_version(name)}" if tracking.champion_version(name) \
             else "none registered"
-    for key, field in (("graph-r1 policy", "graph_r1_policy"), ("GSRM tau", "gsrm_tau"),
-                       ("GSRM iterations K", "gsrm_iterations"), ("GSRM top N", "gsrm_top_n"), ("GSRM per question type", "gsrm_by_type"),
-                       ("GSRM parameters from", "gsrm_params_source")):
-        asset = "eval_graph_r1" if field == "graph_r1_policy" else "eval_a2rag"
+    for key, field in (("graph-r1 policy", "graph_r1_policy"), ("graph-r1 environment", "graph_r1_environment"),
+                       ("GSRM tau", "gsrm_tau"), ("GSRM iterations K", "gsrm_iterations"), ("GSRM top N", "gsrm_top_n"),
+                       ("GSRM per question type", "gsrm_by_type"), ("GSRM parameters from", "gsrm_params_source")):
+        asset = "eval_graph_r1" if field.startswith("graph_r1") else "eval_a2rag"
         value = _latest_metadata(context.instance, dg.AssetKey(["eval", asset]), field)
         if value is not None:
             lineage[key] = value

@@ -34,12 +34,14 @@ from torch import Tensor, nn
 from tqdm.auto import tqdm
 
 from medgraph.embed.tables import read_embeddings
+from medgraph.eval.stats import paired_difference
 from medgraph.eval.questions import QaItem
 from medgraph.gnn.model import GatModel
 from medgraph.kg.graph import KnowledgeGraph, Triple
 from medgraph.llm.base import ChatModel, Message
 from medgraph.llm.hf import autocast
 from medgraph.methods.a2rag import A2RagConfig, answer_conversation, gsrm_items
+from medgraph.methods.tools import Passage
 from medgraph.s3 import S3Lake
 from medgraph.settings import profile_config
 from medgraph.storage import Lake, Warehouse
@@ -50,7 +52,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-TEXT_ONLY_BASELINE = "A2RAG text-only answer (same prompt and triples, no graph tokens)"
+TEXT_ONLY_BASELINE = ("A2RAG text-only answer (same prompt, triples and passages, no graph tokens), less the "
+                      "spread of the gain (half its paired-bootstrap 95% CI over the validation questions)")
 
 
 class HiimProjector(nn.Module):
@@ -131,6 +134,7 @@ class ProjectorConfig:
     train_items: int | None = None  # training questions retrieved for (a seeded sample; None: all)
     distractors: int = 8  # gold_path only: 1-hop triples of the question's entities added to its gold path
     max_triples: int = 24  # gold_path only: graph tokens per question (GSRM: A2RAG's top_n, as in evaluation)
+    passages: bool = True  # GSRM: the prompt also shows T_Text's passages, as A2RAG's answer prompt does
     valid_items: int = 64  # validation questions scored after training (and before, as the baseline)
     eval_every: int = 50
     seed: int = 0
@@ -161,14 +165,15 @@ class ProjectorExample:
     answer: str  # the reply A2RAG's prompt asks for: "<answer>B</answer>", or the short answer in the tag
     triples: tuple[Triple, ...]  # the graph tokens' triples (A2RAG: every retrieved triple)
     context: tuple[Triple, ...]  # the triples the prompt shows as text (A2RAG: the first `context_triples`)
+    passages: tuple[Passage, ...] = ()  # T_Text's passages (A2RAG searches with the question by default)
 
     @property
     def qid(self) -> str:
         return self.item.qid
 
     def conversation(self, graph_tokens: bool) -> list[Message]:
-        """A2RAG's answer prompt for this question (no passages: the projector sees the graph only)."""
-        return answer_conversation(self.item, self.context, (), graph_tokens=graph_tokens)
+        """A2RAG's answer prompt for this question, exactly as evaluation builds it: question, facts, passages."""
+        return answer_conversation(self.item, self.context, self.passages, graph_tokens=graph_tokens)
 
 
 @dataclass
@@ -193,16 +198,20 @@ def load_examples(warehouse: Warehouse, split: str, config: ProjectorConfig, too
 
     a2rag = a2rag or A2RagConfig()
     items = load_qa_items(warehouse, split, limit, config.seed)
+    passages: list[list[Passage]] = [[] for _ in items]
     if config.graph_triples == "gold_path":
         evidence = _gold_path_evidence(warehouse, items, config)
     elif config.graph_triples == "gsrm":
         if tools is None:
             raise ValueError("graph_triples='gsrm' retrieves with GSRM: pass KnowledgeTools(Retriever(warehouse, encoder))")
         evidence = _gsrm_evidence(tools, items, a2rag)
+        if config.passages:  # T_Text with the question, as A2RAG's answer prompt shows them
+            passages = tools.passages([item.question for item in items], k=a2rag.text_k) if items else []
     else:
         raise ValueError(f"graph_triples must be 'gsrm' or 'gold_path', got {config.graph_triples!r}")
-    return [ProjectorExample(item, _reply(item), tuple(triples), tuple(triples[: a2rag.context_triples]))
-            for item, triples in zip(items, evidence) if triples]
+    return [ProjectorExample(item, _reply(item), tuple(triples), tuple(triples[: a2rag.context_triples]),
+                             tuple(found))
+            for item, triples, found in zip(items, evidence, passages) if triples]
 
 
 def projector_examples(warehouse: Warehouse, tools: KnowledgeTools | None, config: ProjectorConfig,
@@ -281,15 +290,16 @@ def answer_nll(llm: ChatModel, examples: Sequence[ProjectorExample], graph_token
     return (token_nll * answer_mask).sum(1) / answer_mask.sum(1)
 
 
-def _mean_nll(llm: ChatModel, tokenizer: GraphTokenizer | None, examples: Sequence[ProjectorExample],
-              batch_size: int, bf16: bool = False) -> float:
-    total = 0.0
+def _item_nlls(llm: ChatModel, tokenizer: GraphTokenizer | None, examples: Sequence[ProjectorExample],
+               batch_size: int, bf16: bool = False) -> list[float]:
+    """Each example's answer NLL, with graph tokens from `tokenizer`, or text-only when it is None."""
+    values: list[float] = []
     with torch.no_grad(), autocast(str(llm.model.device), bf16):
         for start in range(0, len(examples), batch_size):
             batch = examples[start: start + batch_size]
             tokens = [tokenizer.encode(e.triples) for e in batch] if tokenizer else None
-            total += float(answer_nll(llm, batch, tokens).sum())
-    return total / max(len(examples), 1)
+            values += [float(v) for v in answer_nll(llm, batch, tokens)]
+    return values
 
 
 def token_embedding_norm(llm: ChatModel) -> float:
@@ -319,8 +329,10 @@ def train_projector(llm: ChatModel, gat: GatModel, features: NodeFeatures, train
     valid = list(valid)[: config.valid_items]
     # Frozen GAT: each training question's triple vectors are computed once.
     cached = {e.qid: tokenizer.triple_vectors(e.triples) for e in train}
-    text_only = _mean_nll(llm, None, valid, config.batch_size, config.bf16)
-    history = [{"step": 0, "valid_answer_nll": _mean_nll(llm, tokenizer, valid, config.batch_size, config.bf16)}]
+    text_only_items = _item_nlls(llm, None, valid, config.batch_size, config.bf16)
+    text_only = sum(text_only_items) / max(len(text_only_items), 1)
+    final_items = _item_nlls(llm, tokenizer, valid, config.batch_size, config.bf16)  # untrained, until validated
+    history = [{"step": 0, "valid_answer_nll": sum(final_items) / max(len(final_items), 1)}]
     log.info("projector: text-only valid NLL %.4f, untrained graph tokens %.4f (token norm %.3f)",
              text_only, history[0]["valid_answer_nll"], token_norm)
     rng = random.Random(config.seed)
@@ -335,15 +347,21 @@ def train_projector(llm: ChatModel, gat: GatModel, features: NodeFeatures, train
         optimizer.step()
         record = {"train_answer_nll": float(loss.detach())}
         if step % config.eval_every == 0 or step == config.steps:
-            record["valid_answer_nll"] = _mean_nll(llm, tokenizer, valid, config.batch_size, config.bf16)
+            final_items = _item_nlls(llm, tokenizer, valid, config.batch_size, config.bf16)
+            record["valid_answer_nll"] = sum(final_items) / max(len(final_items), 1)
             history.append({"step": step, **record})
         if log_fn:
             log_fn(step, record)
     seconds = time.perf_counter() - started
     best = history[-1]["valid_answer_nll"]
+    # The gain over text-only on the same validation questions, and how much it varies with which questions are
+    # drawn: half the width of its paired-bootstrap 95% CI. The gate asks for a gain larger than that spread.
+    gain = paired_difference(text_only_items, final_items)
+    spread = (gain.ci_high - gain.ci_low) / 2
     metrics = {"valid_answer_nll": best, "valid_answer_nll_text_only": text_only,
                "valid_answer_nll_untrained": history[0]["valid_answer_nll"],
-               "valid_nll_gain_over_text_only": text_only - best,
+               "valid_nll_gain_over_text_only": text_only - best, "valid_nll_gain_ci_low": gain.ci_low,
+               "valid_nll_gain_ci_high": gain.ci_high, "valid_nll_gain_spread": spread,
                "train_seconds": seconds, "steps_per_second": config.steps / max(seconds, 1e-9)}
     if not math.isfinite(best):
         raise FloatingPointError(f"projector training diverged: validation NLL {best}")
@@ -353,7 +371,8 @@ def train_projector(llm: ChatModel, gat: GatModel, features: NodeFeatures, train
 
 def text_only_baseline(result: ProjectorResult) -> Baseline:
     """The projector gate's baseline: A2RAG's text-only answer on the same validation questions and triples."""
-    return Baseline(TEXT_ONLY_BASELINE, {"valid_answer_nll": result.metrics["valid_answer_nll_text_only"]})
+    return Baseline(TEXT_ONLY_BASELINE, {"valid_answer_nll": result.metrics["valid_answer_nll_text_only"]
+                                         - result.metrics["valid_nll_gain_spread"]})
 
 
 def log_projector_result(tracking: Tracking, result: ProjectorResult, llm_name: str, gat_model_uri: str) -> str:
