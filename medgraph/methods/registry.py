@@ -209,6 +209,7 @@ def record_evidence_recall(tools: KnowledgeTools, items: Sequence[QaItem], resul
     carries no gold facts / answer concepts (e.g. MIRAGE items, a "no" question's facts)."""
     gold = [(gold_facts(item), answer_cuis(item)) for item in items]
     measured = [i for i, (facts, answers) in enumerate(gold) if facts or answers]
+    is_measured = set(measured)
     chunk_ids = sorted({c for i in measured for c in results[i].evidence.chunks})
     mentions = tools.chunk_mentions(chunk_ids)
     chunk_texts = {chunk_id: chunk.text for chunk_id, chunk in tools.retriever.chunks(chunk_ids).items()}
@@ -224,7 +225,7 @@ def record_evidence_recall(tools: KnowledgeTools, items: Sequence[QaItem], resul
         in_sentences[(i, key)].append(set(cuis))
     for i, result in enumerate(results):
         metrics = EvidenceMetrics(None, None, None)
-        if i in set(measured):
+        if i in is_measured:
             evidence, facts = result.evidence, gold[i][0] or ()
             units = []
             for kind, key in evidence.order:
