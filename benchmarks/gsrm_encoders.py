@@ -36,6 +36,7 @@ def main() -> None:
     parser.add_argument("--taus", default="0.4,0.5,0.6,0.7")
     parser.add_argument("--iterations", type=int, default=2)
     parser.add_argument("--limit", type=int, default=None, help="items per question type (None: all)")
+    parser.add_argument("--types", default=None, help="comma-separated question types (default: every one)")
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -47,13 +48,14 @@ def main() -> None:
     by_type: dict[str, list] = {}
     for item in items:
         by_type.setdefault(question_type(item), []).append(item)
-    by_type = {kind: group[: args.limit] for kind, group in sorted(by_type.items())}
+    wanted = set(args.types.split(",")) if args.types else set(by_type)
+    by_type = {kind: group[: args.limit] for kind, group in sorted(by_type.items()) if kind in wanted}
     with Retriever(warehouse, load_encoder("minilm")) as linker:
         entities = {kind: link_entities(KnowledgeTools(linker), group) for kind, group in by_type.items()}
     print(f"{sum(map(len, by_type.values()))} {args.split} items: "
           + ", ".join(f"{kind} {len(group)}" for kind, group in by_type.items()), flush=True)
 
-    rows = []
+    print(f"\n{'encoder':<28} {'type':<11} {'tau':>4} {'n':>4}  Recall@10 k=0..K          best k: gain [95% CI]")
     for spec in encoders:
         encoder = load_encoder(spec)
         with Retriever(warehouse, encoder) as retriever:
@@ -66,14 +68,11 @@ def main() -> None:
                     means = [sum(v) / len(v) for v in at10]
                     best = max(range(1, args.iterations + 1), key=lambda k: means[k])
                     gain = paired_difference(at10[best], at10[0], BOOTSTRAP_RESAMPLES, BOOTSTRAP_SEED)
-                    rows.append((encoder.encoder_id[:28], kind, tau, len(curves), means, best, gain))
-            print(f"{spec}: {time.perf_counter() - started:.0f} s, {tools.triples_encoded} triples encoded",
+                    curve = " ".join(f"{m:.3f}" for m in means)
+                    print(f"{encoder.encoder_id[:28]:<28} {kind:<11} {tau:>4.2f} {len(curves):>4}  {curve:<24}  "
+                          f"k={best}: {gain.difference:+.3f} [{gain.ci_low:+.3f}, {gain.ci_high:+.3f}]", flush=True)
+            print(f"# {spec}: {time.perf_counter() - started:.0f} s, {tools.triples_encoded} triples encoded",
                   flush=True)
-    print(f"\n{'encoder':<28} {'type':<11} {'tau':>4} {'n':>4}  Recall@10 k=0..K          best k: gain [95% CI]")
-    for encoder_id, kind, tau, n, means, best, gain in rows:
-        curve = " ".join(f"{m:.3f}" for m in means)
-        print(f"{encoder_id:<28} {kind:<11} {tau:>4.2f} {n:>4}  {curve:<24}  k={best}: {gain.difference:+.3f} "
-              f"[{gain.ci_low:+.3f}, {gain.ci_high:+.3f}]")
 
 
 if __name__ == "__main__":
