@@ -5,6 +5,7 @@ import dagster as dg
 
 import jobs
 import sensors
+from jobs.executor import recovering_in_process_executor
 from platform_assets import embeddings, evaluation, gsrm, kg, models, policy, qa, text, text_extraction, umls
 from resources import build_resources
 
@@ -22,6 +23,7 @@ defs = dg.Definitions.merge(
     jobs.defs,
     sensors.defs,
     # In-process by default: on a laptop the per-step process start costs more than it buys,
-    # and one process keeps DuckDB's single-writer lock uncontended. Deployments override it.
-    dg.Definitions(resources=build_resources(), executor=dg.in_process_executor),
+    # and one process keeps DuckDB's single-writer lock uncontended. Deployments override it. Before its first
+    # step, each run fails runs whose process is gone and frees their pool slots (jobs/executor.py).
+    dg.Definitions(resources=build_resources(), executor=recovering_in_process_executor),
 )
