@@ -6,8 +6,13 @@ import dagster as dg
 import jobs
 import sensors
 from jobs.executor import recovering_in_process_executor
+from medgraph.settings import install_log_redaction
 from platform_assets import embeddings, evaluation, gsrm, kg, models, policy, qa, text, text_extraction, umls
 from resources import build_resources
+
+# Every log record of the code location's processes (the UI's code server, run workers, `dg launch`), from any
+# library's logger, shows URIs with their credentials redacted.
+install_log_redaction()
 
 defs = dg.Definitions.merge(
     umls.defs,
