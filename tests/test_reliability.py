@@ -537,3 +537,59 @@ def test_credentials_in_the_s3_endpoint_url_are_dropped_before_boto3_and_duckdb_
     with pytest.raises(botocore.exceptions.EndpointConnectionError) as error:
         client.list_objects_v2(Bucket="lake")
     assert PLANTED not in str(error.value) + caplog.text + options.secret_sql("s", "s3://lake")
+
+
+# Issue 30, fault 6: without MRFILES, a release whose last split part was missing was published smaller with a
+# warning that said "split parts checked".
+
+def split_into_parts(release: Path, filename: str, parts: int) -> list[Path]:
+    """Replace `filename` by `parts` split parts `.aa`, `.ab`, ... at line boundaries (as `split -n l/N` does)."""
+    plain = release / filename
+    lines = plain.read_bytes().splitlines(keepends=True)
+    size = -(-len(lines) // parts)
+    paths = []
+    for index in range(parts):
+        path = release / f"{filename}.a{chr(ord('a') + index)}"
+        path.write_bytes(b"".join(lines[index * size: (index + 1) * size]))
+        paths.append(path)
+    plain.unlink()
+    return paths
+
+
+def test_without_mrfiles_a_missing_last_split_part_is_said_to_be_undetectable(release_copy: Path, warehouse):
+    from medgraph.umls.ingest import ingest_rrf_file
+
+    assert not (release_copy / "MRFILES.RRF").exists()
+    *kept, last = split_into_parts(release_copy, "MRREL.RRF", 3)
+    last.unlink()
+    completeness = ingest_rrf_file(release_copy, "MRREL", warehouse).as_metadata()["release_completeness"]
+    assert "split parts checked" not in completeness
+    assert completeness.startswith("not verified: no MRFILES.RRF entry for MRREL.RRF was compared")
+    assert ("read from 2 split parts (MRREL.RRF.aa to MRREL.RRF.ab) with no gap between them; a missing last part "
+            "cannot be detected without MRFILES.RRF") in completeness
+
+
+def test_split_parts_that_mrfiles_lists_must_all_be_there(sample_copy: Path, warehouse):
+    """MRFILES.RRF has "one row for each physical segment of each logical file": when it lists the parts, their
+    count, rows and bytes are checked, and a missing last part is refused."""
+    from medgraph.umls.completeness import ReleaseIncompleteError
+    from medgraph.umls.ingest import ingest_rrf_file
+
+    parts = split_into_parts(sample_copy, "MRREL.RRF", 3)
+    mrfiles = sample_copy / "MRFILES.RRF"
+    rows = [row for row in mrfiles.read_text().splitlines() if not row.startswith("MRREL.RRF|")]
+    template = next(row for row in mrfiles.read_text().splitlines() if row.startswith("MRREL.RRF|")).split("|")
+    for part in parts:
+        data = part.read_bytes()
+        rows.append("|".join([part.name, *template[1:4], str(len(data.splitlines())), str(len(data)), ""]))
+    mrfiles.write_text("\n".join(rows) + "\n")
+    total = sum(len(p.read_bytes().splitlines()) for p in parts)
+    stats = ingest_rrf_file(sample_copy, "MRREL", warehouse)
+    assert stats.rows_out == total
+    assert stats.as_metadata()["release_completeness"].startswith(
+        "verified against MRFILES.RRF: 3 split parts (MRREL.RRF.aa to MRREL.RRF.ac)")
+    parts[-1].unlink()
+    with pytest.raises(ReleaseIncompleteError, match=r"^MRREL\.RRF: MRFILES\.RRF declares 3 split parts "
+                                                     r"\(MRREL\.RRF\.aa to MRREL\.RRF\.ac\), the release has 2: "
+                                                     r"MRREL\.RRF\.ac is missing"):
+        ingest_rrf_file(sample_copy, "MRREL", warehouse)
