@@ -51,7 +51,8 @@ TEST_WORKERS ?= 0
 test: install
 	$(BIN)/pytest -n $(TEST_WORKERS) --dist loadfile
 
-# Runs killed earlier (kill -9) would hold their pool slots and wedge the next run: `python -m jobs.recovery` frees them.
+# Every run first fails runs killed earlier (kill -9, OOM) and frees their pool slots (jobs/executor.py);
+# `python -m jobs.recovery` does the same up front, so the UI does not list dead runs as running.
 # One run materializes the data, the models, the first dataset's evaluations (they are partitioned by dataset;
 # the unpartitioned assets run in the same run), GSRM's retrieval-level recall over every test item (no LLM) and
 # the report: each `dg launch` pays ~15 s of start-up (Dagster, the dbt manifest, torch). Each further dataset's

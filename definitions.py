@@ -5,8 +5,14 @@ import dagster as dg
 
 import jobs
 import sensors
+from jobs.executor import recovering_in_process_executor
+from medgraph.settings import install_log_redaction
 from platform_assets import embeddings, evaluation, gsrm, kg, models, policy, qa, text, text_extraction, umls
 from resources import build_resources
+
+# Every log record of the code location's processes (the UI's code server, run workers, `dg launch`), from any
+# library's logger, shows URIs with their credentials redacted.
+install_log_redaction()
 
 defs = dg.Definitions.merge(
     umls.defs,
@@ -22,6 +28,7 @@ defs = dg.Definitions.merge(
     jobs.defs,
     sensors.defs,
     # In-process by default: on a laptop the per-step process start costs more than it buys,
-    # and one process keeps DuckDB's single-writer lock uncontended. Deployments override it.
-    dg.Definitions(resources=build_resources(), executor=dg.in_process_executor),
+    # and one process keeps DuckDB's single-writer lock uncontended. Deployments override it. Before its first
+    # step, each run fails runs whose process is gone and frees their pool slots (jobs/executor.py).
+    dg.Definitions(resources=build_resources(), executor=recovering_in_process_executor),
 )

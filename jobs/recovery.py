@@ -1,6 +1,7 @@
-"""Crash recovery for the local Dagster instance: `python -m jobs.recovery` (the first step of `make demo` and
-`make ui`) marks runs whose process died (kill -9, OOM, power loss) as failed and frees their pool slots, so the
-next run does not wait forever on `warehouse`/`gpu`."""
+"""Crash recovery for the local Dagster instance: runs whose process died (kill -9, OOM, power loss, a failure
+the SQLite event log could not record) are marked failed and their pool slots freed, so the next run does not
+wait forever on `warehouse`/`gpu`. Every run does this itself before its first step (`jobs.executor`);
+`python -m jobs.recovery` does it by hand."""
 
 import os
 import sys
@@ -21,7 +22,7 @@ def main() -> int:
         print("jobs.recovery: DAGSTER_HOME is not set: no Dagster instance to recover", file=sys.stderr)
         return 0
     with dg.DagsterInstance.get() as instance:
-        if not isinstance(instance.run_storage, SqliteRunStorage):
+        if not is_local_instance(instance):
             # A shared (PostgreSQL) instance runs on other machines, whose pids mean nothing here: there the
             # run launcher's health checks and the daemon's run monitoring handle dead runs.
             print(f"jobs.recovery: the instance in {os.environ['DAGSTER_HOME']} is not a local (SQLite) one; "
@@ -30,6 +31,19 @@ def main() -> int:
         for line in recover_dead_runs(instance):
             print(line)
     return 0
+
+
+def is_local_instance(instance: dg.DagsterInstance) -> bool:
+    """A SQLite instance, whose runs all ran on this machine (their pids mean something here)."""
+    return isinstance(instance.run_storage, SqliteRunStorage)
+
+
+def run_process(instance: dg.DagsterInstance, run_id: str) -> tuple[int, float] | None:
+    """(pid, start time) of a run's process, from its RUN_START event; None when it has not started."""
+    starts = instance.all_logs(run_id, of_type=DagsterEventType.RUN_START)
+    if not starts or starts[-1].dagster_event is None or starts[-1].dagster_event.pid is None:
+        return None
+    return starts[-1].dagster_event.pid, starts[-1].timestamp
 
 
 def recover_dead_runs(instance: dg.DagsterInstance) -> list[str]:
@@ -42,32 +56,32 @@ def recover_dead_runs(instance: dg.DagsterInstance) -> list[str]:
     done: list[str] = []
     running = instance.get_runs(filters=RunsFilter(statuses=[DagsterRunStatus.STARTED, DagsterRunStatus.CANCELING]))
     for run in running:
-        starts = instance.all_logs(run.run_id, of_type=DagsterEventType.RUN_START)
-        if not starts or starts[-1].dagster_event is None or starts[-1].dagster_event.pid is None:
+        process = run_process(instance, run.run_id)
+        if process is None:
             continue  # cannot tell which process ran it: leave it alone
-        pid, started_at = starts[-1].dagster_event.pid, starts[-1].timestamp
-        if _process_alive(pid, started_at):
+        pid, started_at = process
+        if process_alive(pid, started_at):
             continue
-        held = _pools_held(instance, run.run_id)  # before the failure event (whose handling may free some)
+        held = pools_held(instance, run.run_id)  # before the failure event (whose handling may free some)
         instance.report_run_failed(run, message=f"The run's process (pid {pid}) is gone: it was killed or crashed. "
-                                                f"Marked failed by `python -m jobs.recovery`, which freed its pool slots.")
+                                                f"Marked failed (jobs.recovery), which freed its pool slots.")
         instance.event_log_storage.free_concurrency_slots_for_run(run.run_id)
         done.append(f"run {run.run_id} ({run.job_name}): its process {pid} is gone; marked FAILURE, "
-                    f"freed {_describe_slots(held)}")
+                    f"freed {describe_slots(held)}")
     if instance.event_log_storage.supports_global_concurrency_limits:
         holders = instance.event_log_storage.get_concurrency_run_ids()
         finished = instance.get_runs(filters=RunsFilter(run_ids=sorted(holders), statuses=[
             DagsterRunStatus.SUCCESS, DagsterRunStatus.FAILURE, DagsterRunStatus.CANCELED])) if holders else []
         for run in finished:
-            held = _pools_held(instance, run.run_id)
+            held = pools_held(instance, run.run_id)
             instance.event_log_storage.free_concurrency_slots_for_run(run.run_id)
-            done.append(f"run {run.run_id} ({run.job_name}, {run.status.value}): freed {_describe_slots(held)}")
+            done.append(f"run {run.run_id} ({run.job_name}, {run.status.value}): freed {describe_slots(held)}")
     if not done:
         done.append("no dead runs, no pool slots held by finished runs")
     return done
 
 
-def _pools_held(instance: dg.DagsterInstance, run_id: str) -> list[str]:
+def pools_held(instance: dg.DagsterInstance, run_id: str) -> list[str]:
     """The pool of each slot a run holds."""
     storage = instance.event_log_storage
     if not storage.supports_global_concurrency_limits:
@@ -76,11 +90,11 @@ def _pools_held(instance: dg.DagsterInstance, run_id: str) -> list[str]:
                   for slot in storage.get_concurrency_info(key).claimed_slots if slot.run_id == run_id)
 
 
-def _describe_slots(pools: list[str]) -> str:
+def describe_slots(pools: list[str]) -> str:
     return f"{len(pools)} pool slot(s)" + (f" ({', '.join(pools)})" if pools else "")
 
 
-def _process_alive(pid: int, started_at: float) -> bool:
+def process_alive(pid: int, started_at: float) -> bool:
     try:
         process = psutil.Process(pid)
         if process.status() == psutil.STATUS_ZOMBIE:

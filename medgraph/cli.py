@@ -462,8 +462,9 @@ def _cmd_models(args: argparse.Namespace) -> int:
     from mlflow.exceptions import MlflowException
 
     from medgraph.settings import load_settings, redact_uri
-    from medgraph.tracking import Tracking
+    from medgraph.tracking import Tracking, limit_registry_waits
 
+    limit_registry_waits()
     settings = load_settings()
     tracking = Tracking.from_settings(settings)
     shown_uri = redact_uri(tracking.tracking_uri)
@@ -505,6 +506,8 @@ def _cmd_models(args: argparse.Namespace) -> int:
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="medgraph", description="MedGraph: UMLS knowledge graph and GraphRAG.")
+    parser.add_argument("--traceback", action="store_true",
+                        help="on an error, also print where it was raised (credentials redacted)")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     sample = commands.add_parser(
@@ -549,14 +552,32 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the `medgraph` console script; returns the exit status."""
+    """Entry point of the `medgraph` console script; returns the exit status.
+
+    No message, log line or error it prints shows a credential (`redact_uri`), and an error is one line that
+    says what went wrong, not a traceback (`--traceback` adds it, redacted)."""
+    from medgraph.settings import install_log_redaction, redact_uri
+
     args = _parser().parse_args(argv)
+    install_log_redaction()
     with _exit_on_termination():
         try:
             return int(args.handler(args))
         except UsageError as error:
-            print(f"medgraph {args.command}: error: {error}", file=sys.stderr)
+            print(f"medgraph {args.command}: error: {redact_uri(str(error))}", file=sys.stderr)
             return 2
+        except Exception as error:  # noqa: BLE001 - every error ends as one redacted line, not a traceback
+            ours = type(error).__module__.startswith("medgraph.")  # messages written to be read as they are
+            what = redact_uri(str(error)) if ours else f"{type(error).__name__}: {redact_uri(str(error))}"
+            print(f"medgraph {args.command}: error: {what}", file=sys.stderr)
+            if args.traceback:
+                import traceback
+
+                print(redact_uri("".join(traceback.format_exception(error))), file=sys.stderr, end="")
+            elif not ours:
+                print(f"medgraph {args.command}: (unexpected: `medgraph --traceback {args.command} ...` shows where "
+                      "it was raised)", file=sys.stderr)
+            return 1
 
 
 @contextmanager

@@ -16,6 +16,7 @@ import glob
 import hashlib
 import importlib.util
 import json
+import logging
 import os
 import re
 import shutil
@@ -30,6 +31,9 @@ from urllib.parse import urlparse
 import duckdb
 
 from medgraph.files import staging_path
+from medgraph.settings import redact_uri
+
+log = logging.getLogger(__name__)
 
 _S3_URI = re.compile(r"^s3://(?P<bucket>[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9])(?:/(?P<prefix>.*))?$")
 
@@ -148,8 +152,22 @@ def s3_client_and_options(endpoint_url: str | None = None, credentials_secret_id
         values = read_json_secret(secrets, credentials_secret_id, _AWS_KEY_NAMES[:2])
         keys = {k: values.get(k) for k in _AWS_KEY_NAMES}
     session = boto3.session.Session(profile_name=profile_name, region_name=region_name, **keys)
-    client = session.client("s3", endpoint_url=endpoint_url, use_ssl=use_ssl, verify=verify, config=config)
+    client = session.client("s3", endpoint_url=_without_userinfo(endpoint_url), use_ssl=use_ssl, verify=verify,
+                            config=config)
     return client, options_for(client, session)
+
+
+def _without_userinfo(endpoint_url: str | None) -> str | None:
+    """`endpoint_url` without a `user:password@` part, which S3 does not use (requests are signed with the
+    keys) and which botocore's and DuckDB's errors would print; a warning (redacted) says it was dropped."""
+    if not endpoint_url:
+        return endpoint_url
+    parts = urlparse(endpoint_url)
+    if "@" not in parts.netloc:
+        return endpoint_url
+    log.warning("S3 endpoint %s: dropped the credentials in its URL, which S3 does not use; give the keys "
+                "through MEDGRAPH_AWS_SECRET_ID or the AWS chain (AWS_ACCESS_KEY_ID, ...)", redact_uri(endpoint_url))
+    return parts._replace(netloc=parts.netloc.rsplit("@", 1)[1]).geturl()
 
 
 def _quote(value: str) -> str:

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import re
-from collections.abc import Mapping
+import sys
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, TypeVar
@@ -44,6 +47,89 @@ def redact_uri(text: str | None) -> str | None:
         return f"{match['scheme']}{REDACTED}@"  # a lone user part is often a token
 
     return _SECRET_PARAMETER.sub(lambda m: m["name"] + REDACTED, _USERINFO.sub(userinfo, text))
+
+
+class RedactedError(RuntimeError):
+    """An error whose message (or a cause's) held a credential, raised again with `redact_uri` applied to
+    the whole chain's messages; the original exceptions, which still hold it, are dropped."""
+
+    def __init__(self, message: str, original_type: str):
+        super().__init__(message)
+        self.original_type = original_type
+
+
+def _chain(error: BaseException) -> list[BaseException]:
+    """`error` and the exceptions it was raised from or during, innermost last (no cycles)."""
+    chain: list[BaseException] = []
+    while error is not None and not any(error is seen for seen in chain):
+        chain.append(error)
+        error = error.__cause__ or (None if error.__suppress_context__ else error.__context__)
+    return chain
+
+
+def redacted_error(error: BaseException) -> BaseException | None:
+    """An exception to raise instead of `error` when the messages of `error` or its causes hold a credential
+    (`redact_uri` would change them), else None (raise `error` itself).
+
+    The replacement keeps what can be kept: an MLflow error stays an `MlflowException` with its error code
+    (callers tell "not found" from "unreachable" by it), anything else becomes a `RedactedError` whose
+    message names the original type. Causes are folded into the message: a chained exception would print
+    the credential again."""
+    chain = _chain(error)
+    if all(redact_uri(str(e)) == str(e) for e in chain):
+        return None
+    message = redact_uri(str(error))
+    for cause in chain[1:]:
+        text = redact_uri(str(cause))
+        if text and text not in message:
+            message += f" (caused by {type(cause).__name__}: {text})"
+    mlflow_errors = sys.modules.get("mlflow.exceptions")  # loaded if `error` is one; settings never imports mlflow
+    if mlflow_errors is not None and isinstance(error, mlflow_errors.MlflowException):
+        return mlflow_errors.MlflowException(message, error_code=error.error_code)
+    return RedactedError(f"{type(error).__name__}: {message}", type(error).__name__)
+
+
+@contextmanager
+def redacting_errors() -> Iterator[None]:
+    """Raise any exception of the block again without the credentials its messages hold (`redacted_error`)."""
+    try:
+        yield
+    except Exception as error:
+        replacement = redacted_error(error)
+        if replacement is None:
+            raise
+        raise replacement from None
+
+
+def redact_record(record: logging.LogRecord) -> logging.LogRecord:
+    """`record` with `redact_uri` applied to its message and exception text (in place)."""
+    try:
+        message = record.getMessage()
+    except Exception:  # noqa: BLE001 - a malformed record is logging's to report, not ours
+        return record
+    shown = redact_uri(message)
+    if shown != message:
+        record.msg, record.args = shown, None
+    if record.exc_info and record.exc_info[1] is not None:
+        text = logging.Formatter().formatException(record.exc_info)
+        if redact_uri(text) != text:
+            record.exc_text, record.exc_info = redact_uri(text), None
+    return record
+
+
+def install_log_redaction() -> None:
+    """Make every log record this process creates, from any logger (MLflow's, boto's, Dagster's, ours),
+    carry its message and exception text through `redact_uri`: a URI with credentials never reaches a handler.
+    Idempotent."""
+    factory = logging.getLogRecordFactory()
+    if getattr(factory, "redacting", False):
+        return
+
+    def redacting_factory(*args: Any, **kwargs: Any) -> logging.LogRecord:
+        return redact_record(factory(*args, **kwargs))
+
+    redacting_factory.redacting = True  # type: ignore[attr-defined]
+    logging.setLogRecordFactory(redacting_factory)
 
 
 @dataclass(frozen=True)

@@ -9,15 +9,17 @@ alias (`models:/medgraph-gat@champion`), never by version number.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
 import os
 import re
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, MutableMapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
 
@@ -25,7 +27,7 @@ import mlflow
 from mlflow import MlflowClient
 from mlflow.exceptions import MlflowException
 
-from medgraph.settings import Settings, redact_uri
+from medgraph.settings import Settings, redact_uri, redacted_error, redacting_errors
 
 log = logging.getLogger(__name__)
 
@@ -198,6 +200,91 @@ def checkpoint_dir(root: Path, run: mlflow.entities.Run, config: Mapping[str, ob
     return Path(root) / hashlib.sha256(key.encode()).hexdigest()[:16]
 
 
+# What an interactive command (`medgraph models`, `medgraph ask`) waits for an MLflow server that does not
+# answer, unless the environment sets these itself. MLflow's own defaults (7 retries with backoff factor 2,
+# 120 s per request) made `medgraph models list` wait ~4 minutes on a refused connection.
+INTERACTIVE_HTTP_LIMITS = {"MLFLOW_HTTP_REQUEST_TIMEOUT": "10", "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2",
+                           "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1"}
+# MLflow error codes that mean "no such model / version / alias" (anything else is a real failure).
+_NOT_FOUND = frozenset({"RESOURCE_DOES_NOT_EXIST", "INVALID_PARAMETER_VALUE"})
+
+
+def limit_registry_waits(env: MutableMapping[str, str] | None = None) -> None:
+    """Bound how long MLflow's HTTP client retries a server that does not answer (INTERACTIVE_HTTP_LIMITS,
+    for the variables `env` does not set); for commands a person waits on."""
+    env = os.environ if env is None else env
+    for name, value in INTERACTIVE_HTTP_LIMITS.items():
+        env.setdefault(name, value)
+
+
+def registry_wait_limit(env: Mapping[str, str] | None = None) -> str:
+    """How long MLflow's HTTP client waits for a server at most, as its variables in `env` set it."""
+    env = os.environ if env is None else env
+    timeout = int(env.get("MLFLOW_HTTP_REQUEST_TIMEOUT", "120"))
+    retries = int(env.get("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "7"))
+    backoff = int(env.get("MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR", "2"))
+    pauses = sum(backoff * 2 ** i + 1 for i in range(retries))  # urllib3's backoff plus MLflow's 1 s jitter
+    return (f"{retries + 1} attempts of at most {timeout} s, about {(retries + 1) * timeout + pauses:.0f} s in all "
+            f"(MLFLOW_HTTP_REQUEST_TIMEOUT, MLFLOW_HTTP_REQUEST_MAX_RETRIES)")
+
+
+class RegistryUnavailableError(RuntimeError):
+    """The MLflow tracking server / model registry did not answer."""
+
+
+def _reason(error: BaseException) -> str:
+    """The short cause of a request that got no answer, e.g. "[Errno 111] Connection refused", "timed out"."""
+    text = str(error)
+    found = re.findall(r"\[Errno -?\d+\][^'\")]*", text)
+    if found:
+        return found[-1].strip()
+    return "timed out" if "timeout" in text.lower() or "timed out" in text.lower() else "no answer"
+
+
+def _unreachable(error: BaseException) -> bool:
+    """Whether an MLflow error is a request that got no answer (refused, timed out, retries spent)."""
+    import requests
+
+    seen: list[BaseException] = []
+    while error is not None and error not in seen:
+        if isinstance(error, requests.exceptions.RequestException):
+            return True
+        seen.append(error)
+        error = error.__cause__ or error.__context__
+    return False
+
+
+def registry_call(tracking_uri: str, call: Any, *args: Any, **kwargs: Any) -> Any:
+    """`call(*args, **kwargs)` (an MLflow client or fluent call against `tracking_uri`) with its errors made
+    fit to show: a server that does not answer is a RegistryUnavailableError naming the (redacted) URI, the
+    limit it was given and what to check; any other error loses the credentials its message holds."""
+    try:
+        return call(*args, **kwargs)
+    except Exception as error:
+        if _unreachable(error):
+            raise RegistryUnavailableError(
+                f"the MLflow tracking server at {redact_uri(tracking_uri)} did not answer ({_reason(error)}; "
+                f"{registry_wait_limit()}): check that it is running and that MLFLOW_TRACKING_URI points at it"
+            ) from None
+        replacement = redacted_error(error)
+        if replacement is None:
+            raise
+        raise replacement from None
+
+
+class _RegistryClient:
+    """An MlflowClient whose every method call goes through `registry_call`."""
+
+    def __init__(self, client: MlflowClient, tracking_uri: str):
+        self._client, self._tracking_uri = client, tracking_uri
+
+    def __getattr__(self, name: str) -> Any:
+        attribute = getattr(self._client, name)
+        if not callable(attribute):
+            return attribute
+        return functools.partial(registry_call, self._tracking_uri, attribute)
+
+
 def redacted_tags(tags: Mapping[str, object] | None) -> dict[str, str]:
     """MLflow tags with any credentials in URI-like values redacted (tags are shown in the UI and logs)."""
     return {key: redact_uri(str(value)) for key, value in (tags or {}).items()}
@@ -220,7 +307,10 @@ class Tracking:
 
     @property
     def client(self) -> MlflowClient:
-        return MlflowClient(tracking_uri=self.tracking_uri, registry_uri=self.tracking_uri)
+        """The MLflow client of this server; its errors never show the URI's credentials, and one that gets no
+        answer is a RegistryUnavailableError (`registry_call`)."""
+        client = MlflowClient(tracking_uri=self.tracking_uri, registry_uri=self.tracking_uri)
+        return _RegistryClient(client, self.tracking_uri)  # type: ignore[return-value]
 
     def experiment_id(self, asset: str) -> str:
         """The experiment `medgraph/<asset>`, created with its artifacts under `artifact_root`."""
@@ -246,8 +336,8 @@ class Tracking:
         """A run in the asset's experiment, the active MLflow run inside the block."""
         mlflow.set_tracking_uri(self.tracking_uri)
         mlflow.set_registry_uri(self.tracking_uri)
-        with mlflow.start_run(experiment_id=self.experiment_id(asset), run_name=run_name,
-                              tags=redacted_tags(tags)) as run:
+        with redacting_errors(), mlflow.start_run(experiment_id=self.experiment_id(asset), run_name=run_name,
+                                                  tags=redacted_tags(tags)) as run:
             yield run
 
     def log_torch_model(self, model: object, name: str = "model", code_paths: list[str] | None = None,
@@ -274,7 +364,7 @@ class Tracking:
     def register(self, model_uri: str, name: str, tags: Mapping[str, str] | None = None) -> str:
         """Register a logged model (`runs:/<id>/<path>` or `models:/m-...`) as a new version."""
         mlflow.set_registry_uri(self.tracking_uri)
-        version = mlflow.register_model(model_uri, name, tags=redacted_tags(tags))
+        version = registry_call(self.tracking_uri, mlflow.register_model, model_uri, name, tags=redacted_tags(tags))
         return str(version.version)
 
     def metric_of(self, name: str, version: str, metric: str) -> float:
@@ -285,10 +375,14 @@ class Tracking:
         return float(value)
 
     def champion_version(self, name: str, alias: str = CHAMPION) -> str | None:
+        """The version `alias` points at; None when the model or the alias does not exist (a server that does
+        not answer is a RegistryUnavailableError, not "no champion")."""
         try:
             return str(self.client.get_model_version_by_alias(name, alias).version)
-        except MlflowException:
-            return None
+        except MlflowException as error:
+            if error.error_code in _NOT_FOUND:
+                return None
+            raise
 
     def register_and_gate(self, model_uri: str, model: RegisteredModel, baseline: Baseline,
                           tags: Mapping[str, str] | None = None) -> Registration:

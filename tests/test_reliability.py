@@ -6,6 +6,10 @@ import json
 import os
 import subprocess
 import sys
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import dagster as dg
@@ -368,3 +372,224 @@ def test_staging_a_release_stops_at_the_first_bad_file_and_keeps_nothing(release
                                                        r"The release was not published: umls\.mrconso, "):
         stage_release(release_copy, INGESTED, warehouse)
     assert not list((warehouse.lake.root / "umls").iterdir())  # MRCONSO's and MRREL's staged files discarded
+
+
+# Issue 30, fault 2: credentials in URIs leaked through error paths (MLflow's "API request to http://user:pw@...",
+# the LLM client's "POST http://alice:pw@... failed"), and an MLflow server that does not answer hung ~248 s.
+
+PLANTED = "planted-Pw0rd-9"
+
+
+@contextmanager
+def silent_server() -> Iterator[int]:
+    """A loopback port that accepts connections (the kernel's backlog) and never answers; yields the port."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen(16)
+        yield sock.getsockname()[1]
+
+
+def closed_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]  # nothing listens once the socket is closed
+
+
+def medgraph_cli(*args: str, env: dict[str, str], timeout: float = 90) -> tuple[subprocess.CompletedProcess, float]:
+    started = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "medgraph.cli", *args], env=env, cwd=REPO_ROOT,
+                          capture_output=True, text=True, timeout=timeout, check=False)
+    return proc, time.monotonic() - started
+
+
+def test_an_mlflow_server_that_refuses_fails_at_once_without_its_password(tmp_path: Path):
+    """Before: `medgraph models list` retried for ~248 s, then printed a traceback holding user:password."""
+    env = {**os.environ, "MEDGRAPH_HOME": str(tmp_path / "home"),
+           "MLFLOW_TRACKING_URI": f"http://user:{PLANTED}@127.0.0.1:{closed_port()}"}
+    for name in ("MLFLOW_HTTP_REQUEST_TIMEOUT", "MLFLOW_HTTP_REQUEST_MAX_RETRIES", "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR"):
+        env.pop(name, None)
+    for command in (["models", "list"], ["models", "show", "medgraph-gat"]):
+        proc, elapsed = medgraph_cli(*command, env=env)
+        assert proc.returncode == 1 and elapsed < 30, (elapsed, proc.stderr[-2000:])
+        assert PLANTED not in proc.stdout + proc.stderr and "Traceback" not in proc.stderr
+        assert proc.stderr.startswith(f"medgraph models: error: the MLflow tracking server at "
+                                      f"http://user:***@127.0.0.1:{env['MLFLOW_TRACKING_URI'].rsplit(':', 1)[1]} "
+                                      "did not answer ([Errno 111] Connection refused; 3 attempts of at most 10 s")
+
+
+def test_an_mlflow_server_that_never_answers_fails_within_the_limit_it_states(tmp_path: Path):
+    with silent_server() as port:
+        env = {**os.environ, "MEDGRAPH_HOME": str(tmp_path / "home"),
+               "MLFLOW_TRACKING_URI": f"http://user:{PLANTED}@127.0.0.1:{port}",
+               "MLFLOW_HTTP_REQUEST_TIMEOUT": "1", "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "1"}
+        proc, elapsed = medgraph_cli("models", "list", env=env)
+    assert proc.returncode == 1 and PLANTED not in proc.stdout + proc.stderr, proc.stderr[-2000:]
+    assert "did not answer (timed out; 2 attempts of at most 1 s, about 4 s in all" in proc.stderr
+    assert elapsed < 4 + 8  # Python and MLflow start-up included
+
+
+def test_registry_errors_in_process_hold_no_password_and_unreachable_is_not_no_champion(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """`champion_version` took an unreachable server for "no champion" (graph-r1 then ran the base LLM)."""
+    from mlflow.exceptions import MlflowException
+
+    from medgraph.tracking import RegistryUnavailableError, Tracking
+
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    tracking = Tracking(f"http://user:{PLANTED}@127.0.0.1:{closed_port()}", str(tmp_path / "artifacts"))
+    with pytest.raises(RegistryUnavailableError) as unreachable:
+        tracking.champion_version("medgraph-gat")
+    with pytest.raises(RegistryUnavailableError) as listing:
+        tracking.client.search_registered_models()
+    for error in (unreachable.value, listing.value):
+        assert PLANTED not in str(error) and error.__cause__ is None and error.__suppress_context__
+        assert "http://user:***@127.0.0.1" in str(error)
+    with pytest.raises(MlflowException) as bad:  # any other MLflow error: the same type and code, redacted
+        Tracking(f"sqlite:///{tmp_path / 'mlflow.db'}", "").client.get_run(f"http://u:{PLANTED}@x")
+    assert PLANTED not in str(bad.value)
+
+
+def test_llm_server_errors_hold_no_password(tmp_path: Path, capsys: pytest.CaptureFixture,
+                                           monkeypatch: pytest.MonkeyPatch):
+    """Before: "POST http://alice:secret@.../v1/chat/completions failed after 5 attempts"."""
+    import duckdb
+
+    from medgraph.cli import main
+    from medgraph.llm import user
+    from medgraph.llm.openai_http import LlmRequestError, OpenAIChatModel
+
+    refused = f"http://alice:{PLANTED}@127.0.0.1:{closed_port()}/v1"
+    model = OpenAIChatModel("m", refused, max_retries=1, backoff_s=0.01)
+    with pytest.raises(LlmRequestError) as error:
+        model.generate([[user("x")]])
+    assert "POST http://alice:***@127.0.0.1" in str(error.value) and "failed after 2 attempts" in str(error.value)
+    assert PLANTED not in str(error.value) + error.value.url + repr(model)
+
+    home = tmp_path / "home"
+    home.mkdir()
+    duckdb.connect(str(home / "warehouse.duckdb")).close()
+    monkeypatch.setenv("MEDGRAPH_HOME", str(home))
+    with llm_server_that_refuses_the_key() as url:
+        spec = f"openai:m@{url.replace('http://', f'http://alice:{PLANTED}@')}"
+        assert main(["ask", "Which drug?", "--method", "cot", "--llm", spec]) == 1
+    captured = capsys.readouterr()
+    assert "failed with HTTP 401" in captured.err and "http://alice:***@127.0.0.1" in captured.err
+    assert PLANTED not in captured.out + captured.err
+    assert main(["ask", "x", "--method", "cot", "--llm", f"openai:m@ftp://alice:{PLANTED}@host/v1"]) == 1
+    assert PLANTED not in capsys.readouterr().err
+
+
+@contextmanager
+def llm_server_that_refuses_the_key() -> Iterator[str]:
+    """An OpenAI-compatible server on loopback that answers every request with HTTP 401; yields its base URL."""
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            self.rfile.read(int(self.headers["Content-Length"]))
+            body = json.dumps({"error": {"message": "invalid API key"}}).encode()
+            self.send_response(401)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}/v1"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_log_records_of_any_logger_are_redacted(caplog: pytest.LogCaptureFixture):
+    import logging
+
+    from medgraph.settings import install_log_redaction
+
+    install_log_redaction()
+    with caplog.at_level(logging.INFO):
+        logging.getLogger("mlflow.somewhere").warning("API request to %s failed", f"http://u:{PLANTED}@h/api")
+        try:
+            raise ValueError(f"cannot reach s3 endpoint http://minio:{PLANTED}@minio:9000")
+        except ValueError:
+            logging.getLogger("botocore.x").exception("upload failed")
+    assert PLANTED not in caplog.text and "http://u:***@h/api" in caplog.text and "http://minio:***@minio" in caplog.text
+
+
+def test_credentials_in_the_s3_endpoint_url_are_dropped_before_boto3_and_duckdb_see_them(
+        aws_env, caplog: pytest.LogCaptureFixture):
+    import botocore.exceptions
+
+    from medgraph.s3 import s3_client_and_options
+
+    port = closed_port()
+    client, options = s3_client_and_options(f"http://minio:{PLANTED}@127.0.0.1:{port}", max_attempts=1)
+    assert client.meta.endpoint_url == f"http://127.0.0.1:{port}" == options.endpoint_url
+    assert "http://minio:***@127.0.0.1" in caplog.text and "MEDGRAPH_AWS_SECRET_ID" in caplog.text
+    with pytest.raises(botocore.exceptions.EndpointConnectionError) as error:
+        client.list_objects_v2(Bucket="lake")
+    assert PLANTED not in str(error.value) + caplog.text + options.secret_sql("s", "s3://lake")
+
+
+# Issue 30, fault 6: without MRFILES, a release whose last split part was missing was published smaller with a
+# warning that said "split parts checked".
+
+def split_into_parts(release: Path, filename: str, parts: int) -> list[Path]:
+    """Replace `filename` by `parts` split parts `.aa`, `.ab`, ... at line boundaries (as `split -n l/N` does)."""
+    plain = release / filename
+    lines = plain.read_bytes().splitlines(keepends=True)
+    size = -(-len(lines) // parts)
+    paths = []
+    for index in range(parts):
+        path = release / f"{filename}.a{chr(ord('a') + index)}"
+        path.write_bytes(b"".join(lines[index * size: (index + 1) * size]))
+        paths.append(path)
+    plain.unlink()
+    return paths
+
+
+def test_without_mrfiles_a_missing_last_split_part_is_said_to_be_undetectable(release_copy: Path, warehouse):
+    from medgraph.umls.ingest import ingest_rrf_file
+
+    assert not (release_copy / "MRFILES.RRF").exists()
+    *kept, last = split_into_parts(release_copy, "MRREL.RRF", 3)
+    last.unlink()
+    completeness = ingest_rrf_file(release_copy, "MRREL", warehouse).as_metadata()["release_completeness"]
+    assert "split parts checked" not in completeness
+    assert completeness.startswith("not verified: no MRFILES.RRF entry for MRREL.RRF was compared")
+    assert ("read from 2 split parts (MRREL.RRF.aa to MRREL.RRF.ab) with no gap between them; a missing last part "
+            "cannot be detected without MRFILES.RRF") in completeness
+
+
+def test_split_parts_that_mrfiles_lists_must_all_be_there(sample_copy: Path, warehouse):
+    """MRFILES.RRF has "one row for each physical segment of each logical file": when it lists the parts, their
+    count, rows and bytes are checked, and a missing last part is refused."""
+    from medgraph.umls.completeness import ReleaseIncompleteError
+    from medgraph.umls.ingest import ingest_rrf_file
+
+    parts = split_into_parts(sample_copy, "MRREL.RRF", 3)
+    mrfiles = sample_copy / "MRFILES.RRF"
+    rows = [row for row in mrfiles.read_text().splitlines() if not row.startswith("MRREL.RRF|")]
+    template = next(row for row in mrfiles.read_text().splitlines() if row.startswith("MRREL.RRF|")).split("|")
+    for part in parts:
+        data = part.read_bytes()
+        rows.append("|".join([part.name, *template[1:4], str(len(data.splitlines())), str(len(data)), ""]))
+    mrfiles.write_text("\n".join(rows) + "\n")
+    total = sum(len(p.read_bytes().splitlines()) for p in parts)
+    stats = ingest_rrf_file(sample_copy, "MRREL", warehouse)
+    assert stats.rows_out == total
+    assert stats.as_metadata()["release_completeness"].startswith(
+        "verified against MRFILES.RRF: 3 split parts (MRREL.RRF.aa to MRREL.RRF.ac)")
+    parts[-1].unlink()
+    with pytest.raises(ReleaseIncompleteError, match=r"^MRREL\.RRF: MRFILES\.RRF declares 3 split parts "
+                                                     r"\(MRREL\.RRF\.aa to MRREL\.RRF\.ac\), the release has 2: "
+                                                     r"MRREL\.RRF\.ac is missing"):
+        ingest_rrf_file(sample_copy, "MRREL", warehouse)

@@ -34,6 +34,7 @@ from medgraph.llm.base import (
 )
 from medgraph.llm.models import BUILTIN_MODELS, ModelIntegrityError, ModelNotFoundError
 from medgraph.llm.scripted import ScriptedChatModel
+from medgraph.settings import redacting_errors
 
 __all__ = [
     "BUILTIN_MODELS",
@@ -84,8 +85,13 @@ class LlmSpec:
 
 
 def parse_llm_spec(spec: str) -> LlmSpec:
-    """Which backend a spec names; ValueError (listing the accepted forms) for anything else."""
-    spec = spec.strip()
+    """Which backend a spec names; ValueError (listing the accepted forms, the spec with its credentials
+    redacted) for anything else."""
+    with redacting_errors():
+        return _parse_llm_spec(spec.strip())
+
+
+def _parse_llm_spec(spec: str) -> LlmSpec:
     if spec.startswith("openai:"):
         match = _OPENAI.match(spec)
         if not match:

@@ -28,17 +28,19 @@ from medgraph.llm.base import (
     check_no_graph_tokens,
     truncate_at_stop,
 )
+from medgraph.settings import redact_uri
 
 API_KEY_VARIABLES = ("MEDGRAPH_LLM_API_KEY", "OPENAI_API_KEY")  # the first one set wins
 _FINISH = {"stop": "stop", "length": "length", "eos": "stop", "tool_calls": "stop", "content_filter": "stop"}
 
 
 class LlmRequestError(RuntimeError):
-    """A request to an LLM server failed for good (after retries, or a 4xx that retrying cannot fix)."""
+    """A request to an LLM server failed for good (after retries, or a 4xx that retrying cannot fix). Its
+    message and URL never show credentials (`redact_uri`): they are printed and logged."""
 
     def __init__(self, message: str, status: int | None = None, url: str = ""):
-        super().__init__(message)
-        self.status, self.url = status, url
+        super().__init__(redact_uri(message))
+        self.status, self.url = status, redact_uri(url)
 
 
 def api_key_from_env(env: dict[str, str] | None = None) -> str | None:
@@ -100,7 +102,7 @@ class OpenAIChatModel(ChatModel):
         self._lock = threading.Lock()
 
     def __repr__(self) -> str:
-        return f"OpenAIChatModel({self.model_id!r}, base_url={self.base_url!r})"
+        return f"OpenAIChatModel({self.model_id!r}, base_url={redact_uri(self.base_url)!r})"
 
     def _session(self) -> requests.Session:
         session = getattr(self._local, "session", None)

@@ -21,6 +21,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Self
 
 from medgraph.llm.base import ChatModel, Completion, GenerationConfig, Message
+from medgraph.settings import redact_uri
 
 log = logging.getLogger(__name__)
 _ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
@@ -236,7 +237,7 @@ class LlmServer:
 
     def start(self) -> LlmServer:
         self._thread.start()
-        log.info("serving %s at %s", self.model.name, self.url)
+        log.info("serving %s at %s", self.model.name, redact_uri(self.url))
         return self
 
     def wait(self) -> None:

@@ -43,6 +43,7 @@ from torch import nn
 from medgraph.llm.base import ChatModel, Completion, Conversation, GenerationConfig
 from medgraph.llm.hf import TransformersChatModel
 from medgraph.llm.openai_http import OpenAIChatModel
+from medgraph.settings import redact_uri
 
 T = TypeVar("T")
 
@@ -115,7 +116,7 @@ class VllmRollouts(ChatModel):
 
         parsed = parse_llm_spec(spec)
         if parsed.kind != "openai":
-            raise ValueError(f"rollout_server must be openai:<model>@<base_url>, got {spec!r}")
+            raise ValueError(f"rollout_server must be openai:<model>@<base_url>, got {redact_uri(spec)!r}")
         self.base_url, self.name, self.concurrency = parsed.base_url, parsed.target, concurrency
         self.server = OpenAIChatModel(parsed.target, parsed.base_url, concurrency=concurrency)
         self.sync_dir = sync_dir
@@ -139,7 +140,7 @@ class VllmRollouts(ChatModel):
     def _post(self, endpoint: str, payload: dict[str, str]) -> None:
         response = requests.post(f"{self.base_url}/{endpoint}", json=payload, timeout=120)
         if response.status_code >= 400:
-            raise RuntimeError(f"POST {self.base_url}/{endpoint} failed with HTTP {response.status_code}: "
+            raise RuntimeError(f"POST {redact_uri(self.base_url)}/{endpoint} failed with HTTP {response.status_code}: "
                                f"{response.text[:300]} (is the server started with --enable-lora and "
                                "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True?)")
 

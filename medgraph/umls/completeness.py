@@ -3,8 +3,11 @@
 One streaming pass over the physical files of an RRF source, before DuckDB parses anything: a truncated
 `.gz` (DuckDB reads it silently as fewer rows), a missing split part or a file cut short fails here in
 seconds, naming the file and both numbers, instead of being ingested as a smaller release.
-`MRFILES.RRF` (FIL|DES|FMT|CLS|RWS|BTS|) declares each file's rows and uncompressed bytes; a release
-without it is read as it is, and the ingestion metadata says its completeness could not be verified.
+`MRFILES.RRF` (FIL|DES|FMT|CLS|RWS|BTS|) declares each file's rows and uncompressed bytes, and has "one row
+for each physical segment of each logical file": when it lists a file's split parts, their number is checked
+too, so a missing last part is refused. A release without it is read as it is, and the ingestion metadata says
+its completeness could not be verified; split parts are then only known to have no gap between them (`.aa`,
+`.ab`, ... in a row): a missing *last* part cannot be detected at all, and the metadata says so.
 """
 
 from __future__ import annotations
@@ -39,16 +42,21 @@ class Completeness:
     rows: int
     bytes: int
     declared: Declared | None
+    parts: tuple[str, ...] = ()  # the split parts read, in order; () for one plain or .gz file
 
     @property
     def verified(self) -> bool:
         return self.declared is not None
 
     def describe(self) -> str:
+        parts = f"{len(self.parts)} split parts ({self.parts[0]} to {self.parts[-1]})" if self.parts else ""
         if self.declared is None:
-            return (f"not verified: no {MRFILES_NAME} entry for {self.filename} was compared "
-                    f"({self.rows} rows, {self.bytes} bytes read; gzip and split parts checked)")
-        return f"verified against {MRFILES_NAME}: {self.rows} rows, {self.bytes} bytes"
+            read = f"{self.rows} rows, {self.bytes} bytes read"
+            if parts:
+                read += (f" from {parts} with no gap between them; a missing last part cannot be detected without "
+                         f"{MRFILES_NAME}")
+            return f"not verified: no {MRFILES_NAME} entry for {self.filename} was compared ({read})"
+        return f"verified against {MRFILES_NAME}: " + (f"{parts}, " if parts else "") + f"{self.rows} rows, {self.bytes} bytes"
 
 
 def read_mrfiles(release_dir: str | Path) -> dict[str, Declared] | None:
@@ -122,16 +130,45 @@ def scan_source(source: RrfSource) -> tuple[int, int]:
     return rows, total
 
 
+def split_part_names(source: RrfSource) -> tuple[str, ...]:
+    """The names of a source's split parts without `.gz` (`MRREL.RRF.aa`, ...); () for one plain or .gz file."""
+    filename = source.layout.filename
+    names = tuple(p.name.removesuffix(".gz") for p in source.paths)
+    return () if names == (filename,) else names
+
+
+def declared_parts(declared_all: dict[str, Declared], filename: str) -> dict[str, Declared]:
+    """MRFILES.RRF's rows for the split parts of `filename` (`MRREL.RRF.aa`, ...), by name, in order."""
+    prefix = f"{filename}."
+    return {name.removesuffix(".gz"): declared for name, declared in sorted(declared_all.items())
+            if name.startswith(prefix) and len(name.removesuffix(".gz")) == len(prefix) + 2}
+
+
 def verify_source(release_dir: str | Path, source: RrfSource, check_mrfiles: bool = True) -> Completeness:
     """Check one RRF file's parts and archive, and compare its rows and bytes with MRFILES.RRF when present
-    (and `check_mrfiles`)."""
+    (and `check_mrfiles`): with its row for the file, or with its rows for the file's split parts, whose
+    names must then be the parts the release has."""
+    filename = source.layout.filename
     check_split_parts(source)
-    rows, size = scan_source(source)
+    parts = split_part_names(source)
     declared_all = read_mrfiles(release_dir) if check_mrfiles else None
-    declared = None if declared_all is None else declared_all.get(source.layout.filename)
+    declared = None if declared_all is None else declared_all.get(filename)
+    listed = {} if declared_all is None or declared is not None else declared_parts(declared_all, filename)
+    if listed:
+        names = list(listed)
+        if parts and list(parts) != names:  # (the whole file instead of its parts is compared by its sums below)
+            missing = [name for name in names if name not in parts]
+            extra = [name for name in parts if name not in listed]
+            problems = [f"{', '.join(group)} {'is' if len(group) == 1 else 'are'} {what}"
+                        for group, what in ((missing, "missing"), (extra, "not listed")) if group]
+            raise ReleaseIncompleteError(
+                f"{filename}: {MRFILES_NAME} declares {len(names)} split parts ({names[0]} to {names[-1]}), the "
+                f"release has {len(parts)}: {'; '.join(problems)}")
+        declared = Declared(sum(d.rows for d in listed.values()), sum(d.bytes for d in listed.values()))
+    rows, size = scan_source(source)
     if declared is not None and (declared.rows, declared.bytes) != (rows, size):
         files = ", ".join(p.name for p in source.paths)
         raise ReleaseIncompleteError(
-            f"{source.layout.filename} is incomplete: {MRFILES_NAME} declares {declared.rows} rows and "
+            f"{filename} is incomplete: {MRFILES_NAME} declares {declared.rows} rows and "
             f"{declared.bytes} bytes, the release has {rows} rows and {size} bytes (read from {files})")
-    return Completeness(source.layout.filename, rows, size, declared)
+    return Completeness(filename, rows, size, declared, parts)
