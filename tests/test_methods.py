@@ -93,6 +93,25 @@ def test_parse_answer_returns_none_instead_of_guessing(reply: str):
     assert parse_answer(reply, TREAT) is None
 
 
+# KG-derived items carry each option's concept in letter order; Graph-R1's observations list concepts by id.
+KG_TREAT = QaItem("test", "kg_treat", TREAT.question, TREAT.options, "A",
+                  extra={"option_cuis": [AMLODIPINE, "C9000101", "C9000102", "C9000103"]})
+
+
+def test_an_answer_naming_one_options_concept_is_that_option():
+    assert parse_answer("<think>it lowers glucose</think><answer>C9000102</answer>", KG_TREAT) == "C"
+    assert parse_answer(f"<answer>{AMLODIPINE} (amlodipine)</answer>", KG_TREAT) == "A"
+    assert parse_answer("<answer>c9000103</answer>", KG_TREAT) == "D"
+    assert parse_answer("The answer is C9000101.", KG_TREAT) == "B"
+    assert parse_answer("<answer>Insulin</answer>", KG_TREAT) == "C"  # an option's name
+    # A concept that is no option (here the question's own), or two options' concepts: a parse failure.
+    assert parse_answer(f"<answer>{HYPERTENSION}</answer>", KG_TREAT) is None
+    assert parse_answer(f"<answer>{HYPERTENSION} amlodipine</answer>", KG_TREAT) is None
+    assert parse_answer(f"<answer>{AMLODIPINE} or C9000102</answer>", KG_TREAT) is None
+    assert parse_answer(f"<answer>{AMLODIPINE}</answer>", TREAT) is None  # no option concepts known
+    assert score_answer(KG_TREAT, parse_answer(f"<answer>{AMLODIPINE}</answer>", KG_TREAT)) == (True, 1.0)
+
+
 def test_a_yes_no_reply_is_read_from_its_first_word():
     assert parse_answer("Yes, seizures occur in Fabry disease.", FABRY_SEIZURE) == "A"
     assert parse_answer("<answer>no</answer>", FABRY_SEIZURE) == "B"
