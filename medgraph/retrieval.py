@@ -106,7 +106,10 @@ class Retriever:
     def find_concepts(self, names: Sequence[str], k: int = 5,
                       mode: Literal["exact", "bm25", "dense", "hybrid"] = "hybrid") -> list[list[str]]:
         """CUIs for each name: exact name/synonym match first; then BM25 over the corpus's concept
-        documents (definitions; node texts where opted in) and/or dense node search, fused by RRF. `exact` alone returns only exact matches."""
+        documents (definitions; node texts where opted in) and/or dense node search, fused by RRF, where
+        the candidates with a name that holds the whole query as words come first ("Factor Xa" ->
+        "Factor Xa Inhibitors" before "insulin-like growth factor 2"). `exact` alone returns only exact
+        matches."""
         exact = self.graph.lookup(names)
         if mode == "exact":
             return [found[:k] for found in exact]
@@ -118,11 +121,10 @@ class Retriever:
                              for row in hits])
         if mode in ("dense", "hybrid"):
             rankings.append([[cui for cui, _ in row] for row in self.search_nodes(names, k=4 * k)])
-        found = []
-        for i, by_name in enumerate(exact):
-            fused = [cui for cui, _ in reciprocal_rank_fusion([r[i] for r in rankings])]
-            found.append(list(dict.fromkeys(by_name + fused))[:k])
-        return found
+        fused = [[cui for cui, _ in reciprocal_rank_fusion([r[i] for r in rankings])] for i in range(len(names))]
+        named = self.graph.names_containing(names, fused)
+        return [list(dict.fromkeys(by_name + [c for c in row if c in holds] + row))[:k]
+                for by_name, row, holds in zip(exact, fused, named, strict=True)]
 
     # -- text ------------------------------------------------------------------------------------
     def search_text(self, queries: Sequence[str], k: int = 10,

@@ -30,6 +30,7 @@ from medgraph.methods import (
     trace_rows,
 )
 from medgraph.methods.a2rag import A2Rag, A2RagConfig, gsrm_refine, parse_tool_choice
+from medgraph.methods.agent import CUT_OFF_NOTE, FINAL_ANSWER_TOKENS
 from medgraph.methods.common import token_f1
 from medgraph.methods.graph_r1 import GraphR1Config, GraphR1Env, is_well_formed, parse_action, restore_stop
 from medgraph.methods.sema_rag import parse_judgment, parse_schema
@@ -91,6 +92,25 @@ def test_parse_answer_reads_the_option_in_many_forms(reply: str, expected: str):
                                    "All of them help somewhat."])
 def test_parse_answer_returns_none_instead_of_guessing(reply: str):
     assert parse_answer(reply, TREAT) is None
+
+
+# KG-derived items carry each option's concept in letter order; Graph-R1's observations list concepts by id.
+KG_TREAT = QaItem("test", "kg_treat", TREAT.question, TREAT.options, "A",
+                  extra={"option_cuis": [AMLODIPINE, "C9000101", "C9000102", "C9000103"]})
+
+
+def test_an_answer_naming_one_options_concept_is_that_option():
+    assert parse_answer("<think>it lowers glucose</think><answer>C9000102</answer>", KG_TREAT) == "C"
+    assert parse_answer(f"<answer>{AMLODIPINE} (amlodipine)</answer>", KG_TREAT) == "A"
+    assert parse_answer("<answer>c9000103</answer>", KG_TREAT) == "D"
+    assert parse_answer("The answer is C9000101.", KG_TREAT) == "B"
+    assert parse_answer("<answer>Insulin</answer>", KG_TREAT) == "C"  # an option's name
+    # A concept that is no option (here the question's own), or two options' concepts: a parse failure.
+    assert parse_answer(f"<answer>{HYPERTENSION}</answer>", KG_TREAT) is None
+    assert parse_answer(f"<answer>{HYPERTENSION} amlodipine</answer>", KG_TREAT) is None
+    assert parse_answer(f"<answer>{AMLODIPINE} or C9000102</answer>", KG_TREAT) is None
+    assert parse_answer(f"<answer>{AMLODIPINE}</answer>", TREAT) is None  # no option concepts known
+    assert score_answer(KG_TREAT, parse_answer(f"<answer>{AMLODIPINE}</answer>", KG_TREAT)) == (True, 1.0)
 
 
 def test_a_yes_no_reply_is_read_from_its_first_word():
@@ -419,6 +439,33 @@ def test_sema_rag_stops_when_no_new_query_appears(tools: KnowledgeTools, judgmen
     (result,) = run_method("sema-rag", [TREAT], tools, ScriptedChatModel(sema_reply([judgment])))
     assert result.stats["rounds"] == 1 and result.stats["stop_reason"] == "no_new_query"
     assert result.stats["early_stop"]
+
+
+def test_sema_rag_reads_the_answer_of_a_cut_report_with_one_short_call(tools: KnowledgeTools):
+    """A report cut at its budget: one short call (FINAL_ANSWER_TOKENS) for the answer alone, as every
+    method's cut reply gets, not a full-budget answer call after it; an answer the cut report states is read."""
+    def reply(conversation: Conversation) -> str:
+        if CUT_OFF_NOTE in conversation[-1].content:
+            return "<answer>A</answer> " + "because it blocks calcium channels " * 10
+        if "evidence report" in conversation[-1].content:
+            return "Source [1] says amlodipine lowers blood pressure; " * 40
+        return sema_reply(['{"sufficient": true}'])(conversation)
+
+    llm = ScriptedChatModel(reply)
+    (result,) = run_method("sema-rag", [TREAT], tools, llm)
+    assert [s.action for s in result.steps] == ["i_agent", "retrieve", "e_agent", "a_agent_report", "final_answer"]
+    assert result.steps[-1].completion_tokens == FINAL_ANSWER_TOKENS and "evidence report was cut" in result.steps[-1].notes
+    assert result.stats["report_cut"] and result.truncated and result.extra_answer_call and result.correct
+    retry = llm.calls[-1][0]
+    assert retry[-2].content == result.steps[3].output and CUT_OFF_NOTE in retry[-1].content
+
+    def states(conversation: Conversation) -> str:
+        if "evidence report" in conversation[-1].content:
+            return "Source [1] agrees, so the answer is A. " + "Source [2] adds detail. " * 60
+        return sema_reply(['{"sufficient": true}'])(conversation)
+
+    (stated,) = run_method("sema-rag", [TREAT], tools, ScriptedChatModel(states))
+    assert [s.action for s in stated.steps][-1] == "a_agent_report" and stated.correct and not stated.truncated
 
 
 def test_sema_rag_ablations_drop_their_agent(tools: KnowledgeTools):

@@ -51,6 +51,18 @@ def test_find_concepts_prefers_exact_names_then_fuses_bm25_and_dense(retriever: 
     assert retriever.find_concepts(["zzqx"], mode="exact") == [[]]
 
 
+def test_find_concepts_lists_a_concept_whose_name_holds_the_query_before_looser_matches(retriever: Retriever):
+    """Graph-R1's <search>: "Factor Xa" has no exact name; "Factor Xa Inhibitors" came third, behind growth
+    factors that BM25 and dense search liked better."""
+    queries = ["Factor Xa", "factor Xa inhibitor", "proton pump", "calcium channel"]
+    factor_xa, singular, pump, channel = retriever.find_concepts(queries, k=4)
+    (inhibitors,), (ppi,) = retriever.graph.lookup(["Factor Xa Inhibitors", "Proton Pump Inhibitors"])
+    assert factor_xa[0] == inhibitors and singular[0] == inhibitors and pump[0] == ppi
+    names = retriever.nodes(channel)
+    assert "calcium channel" in names[channel[0]].name.lower()
+    assert retriever.find_concepts(["Hypertension"], k=2)[0][0] == "C0020538"  # an exact name still comes first
+
+
 def test_dense_search_without_an_encoder_is_a_clear_error(retrieval_warehouse: Warehouse):
     with Retriever(retrieval_warehouse) as retriever, pytest.raises(ValueError, match="needs an encoder"):
         retriever.search_nodes(["seizure"])

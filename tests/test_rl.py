@@ -29,7 +29,9 @@ from medgraph.llm.hf import TransformersChatModel
 from medgraph.methods.graph_r1 import GraphR1Config, GraphR1Env, GraphR1State
 from medgraph.methods.registry import make_config, method_of
 from medgraph.retrieval import Retriever
+from medgraph.rl import grpo
 from medgraph.rl.grpo import (
+    GRPO_PROFILES,
     SMALL_ENV,
     TINY_ENV,
     GrpoConfig,
@@ -37,11 +39,13 @@ from medgraph.rl.grpo import (
     clipped_objective,
     group_advantages,
     grpo_token_loss,
+    grpo_update,
     k3_kl,
     loss_weights,
+    split_minibatches,
     train_grpo,
 )
-from medgraph.rl.model import LoraSettings, latest_checkpoint, load_trainable, save_policy
+from medgraph.rl.model import LoraSettings, latest_checkpoint, load_trainable, save_policy, trainable_parameters
 from medgraph.rl.policy import (
     VALIDATION_KEY_TAG,
     base_model_baseline,
@@ -53,7 +57,7 @@ from medgraph.rl.policy import (
     sft_start_baseline,
 )
 from medgraph.rl.rewards import episode_reward
-from medgraph.rl.rollout import encode_conversation, evaluate, generation_config, rollout, validation_key
+from medgraph.rl.rollout import Trajectory, encode_conversation, evaluate, generation_config, rollout, validation_key
 from medgraph.rl.scale import VllmRollouts
 from medgraph.rl.sft import SftConfig, expert_demonstrations, load_qa_items, train_sft
 from medgraph.storage import Warehouse
@@ -214,6 +218,20 @@ def test_loss_weights_average_per_episode_or_per_token():
     assert per_episode[0] * 2 == pytest.approx(0.5) and per_episode[1] * 6 == pytest.approx(0.5)
 
 
+@pytest.mark.parametrize("profile", sorted(GRPO_PROFILES))
+def test_every_profile_updates_in_at_least_two_minibatches_per_rollout_batch(profile: str):
+    """Graph-R1's released training takes mini-batches of 64 from a batch of 128: with one mini-batch
+    the ratio is 1 and the clip never acts. Two also when flat groups are skipped and one group is left."""
+    config = GRPO_PROFILES[profile]
+    episodes = config.questions_per_step * config.group_size
+    for n in (episodes, config.group_size):
+        minibatches = split_minibatches(n, config.minibatches)
+        assert len(minibatches) >= 2 and all(minibatches)
+        assert sorted(i for mini in minibatches for i in mini) == list(range(n))
+    assert {i // config.group_size for i in split_minibatches(episodes, config.minibatches)[0]} == set(
+        range(config.questions_per_step))  # round-robin: every group in every mini-batch
+
+
 # --------------------------------------------------------------------------- cold-start demonstrations
 
 
@@ -293,6 +311,43 @@ def test_a_few_grpo_steps_raise_the_mean_reward(tiny_sft_dir: Path):
     assert before["format_rate"] > 0.5  # the cold start taught the format; the answer is a coin flip
     assert after["reward"] > before["reward"] + 0.15
     assert result.history[0]["policy_tokens"] > 0 and any(h["kl"] > 0 for h in result.history)
+
+
+def test_the_second_minibatch_is_off_policy_and_its_clipped_tokens_pass_no_gradient(tiny_sft_dir: Path,
+                                                                                    monkeypatch: pytest.MonkeyPatch):
+    """One `grpo_update` with the default mini-batches and a large step: the first mini-batch is scored at
+    ratio 1, the second against the policy before the first update; there the ratio leaves [1 - eps, 1 + eps],
+    the clipped term is the minimum and the gradient through those tokens is zero (beta 0: no KL gradient)."""
+    policy = load_trainable(tiny_sft_dir, device="cpu")
+    replies = ["<think>check</think><answer>A</answer>"] * 2 + ["<think>check</think><answer>B</answer>"] * 2
+    trajectories = [Trajectory(state, group, episode_reward(state), 0)
+                    for group, item in enumerate(TOY[:2]) for state in [finished(TOY_ENV, item, [r]) for r in replies]]
+    advantages = group_advantages(torch.tensor([[t.reward.total for t in trajectories]]).view(2, 4)).flatten()
+    for trajectory, advantage in zip(trajectories, advantages.tolist(), strict=True):
+        trajectory.advantage = advantage
+    config = GrpoConfig(micro_batch_size=16, lr=1e-2, beta=0.0, graph_r1=TOY_ENV.config, device="cpu", bf16=False)
+    calls: list[dict[str, torch.Tensor]] = []
+
+    def recording(logp, old_logp, ref_logp, advantages, epsilon, beta):
+        loss, kl, clipped = grpo_token_loss(logp, old_logp, ref_logp, advantages, epsilon, beta)
+        call = {"ratio": torch.exp(logp.detach() - old_logp), "clipped": clipped}
+        logp.register_hook(lambda grad: call.__setitem__("grad", grad.clone()))  # d loss / d logp, per token
+        calls.append(call)
+        return loss, kl, clipped
+
+    monkeypatch.setattr(grpo, "grpo_token_loss", recording)
+    optimizer = torch.optim.AdamW(trainable_parameters(policy.model), lr=config.lr)
+    update = grpo_update(policy, policy.model, None, trajectories, optimizer, config)
+    assert len(calls) == 2  # one micro-batch per mini-batch, one optimizer step each
+    first, second = calls
+    torch.testing.assert_close(first["ratio"], torch.ones_like(first["ratio"]))  # the sampling policy itself
+    assert not first["clipped"].any()
+    clipped = second["clipped"]
+    assert clipped.any() and update["clip_fraction"] > 0
+    ratio = second["ratio"][clipped]
+    assert ((ratio > 1 + config.epsilon) | (ratio < 1 - config.epsilon)).all()
+    assert second["grad"][clipped].eq(0).all()  # the clipped term is constant in logp
+    assert second["grad"][~clipped].abs().sum() > 0  # the unclipped policy tokens still learn
 
 
 def test_a_fresh_lora_engine_validates_exactly_as_the_merged_checkpoint(tiny_sft_dir: Path):
@@ -525,8 +580,10 @@ def test_policy_assets_train_register_and_load_the_champion(qa_warehouse: Wareho
 
     tracking = resources["mlflow_tracking"].tracking()
     run = tracking.client.get_run(metadata["mlflow_run_id"].value)
-    curves = {"reward", "format_rate", "kl", "valid_accuracy", "valid_reward"}
+    curves = {"reward", "format_rate", "kl", "clip_fraction", "valid_accuracy", "valid_reward"}
     assert curves <= set(run.data.metrics)
+    for per_step in ("kl", "clip_fraction"):  # one value per GRPO step (the tiny profile takes one)
+        assert [m.step for m in tracking.client.get_metric_history(run.info.run_id, per_step)] == [1]
     assert len(tracking.client.get_metric_history(run.info.run_id, "valid_accuracy")) == 2  # step 0 and the end
     assert run.data.tags["dagster/asset_key"] == "models/graph_r1_policy"
     assert {a.path for a in tracking.client.list_artifacts(run.info.run_id)} >= {"training.json",

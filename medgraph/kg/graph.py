@@ -107,6 +107,29 @@ class KnowledgeGraph:
             found[i - 1].append(cui)
         return found
 
+    def names_containing(self, names: Sequence[str], candidates: Sequence[Sequence[str]]) -> list[set[str]]:
+        """For each name, the CUIs among its `candidates` that have a preferred name or synonym holding
+        the whole name as words, the last one possibly a word's start (after normalization): "Factor Xa"
+        and "factor Xa inhibitor" -> "Factor Xa Inhibitors"."""
+        pairs = [(i, cui) for i, row in enumerate(candidates, start=1) for cui in row]
+        if not pairs:
+            return [set() for _ in names]
+        rows = self.con.execute(
+            f"""
+            WITH q AS (SELECT i, {NORMALIZE_SQL.format('name')} AS normalized
+                       FROM (SELECT unnest($names) AS name, generate_subscripts($names, 1) AS i)),
+                 c AS (SELECT unnest($rows) AS i, unnest($cuis) AS cui)
+            SELECT DISTINCT c.i, c.cui
+            FROM c JOIN q USING (i) JOIN kg.kg_node_names n ON n.cui = c.cui
+            WHERE q.normalized <> '' AND contains(' ' || n.normalized_name, ' ' || q.normalized)
+            """,
+            {"names": list(names), "rows": [i for i, _ in pairs], "cuis": [cui for _, cui in pairs]},
+        ).fetchall()
+        found: list[set[str]] = [set() for _ in names]
+        for i, cui in rows:
+            found[i - 1].add(cui)
+        return found
+
     def nodes(self, cuis: Iterable[str]) -> dict[str, Node]:
         wanted = sorted(set(cuis))
         if not wanted:

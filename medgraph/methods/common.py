@@ -76,14 +76,24 @@ def _normalize_text(text: str) -> str:
 
 _LETTER_ALONE = re.compile(r"^\W*\(?([A-Za-z])\)?\s*(?:[.:)\]]|$)")
 _ANSWER_IS = re.compile(r"answer\s*(?:is|:|=|-)?\s*(?:option\s*)?\(?\**\s*(?-i:([A-Z]))\b\)?", re.IGNORECASE)
+_CUI = re.compile(r"\bC\d{7}\b", re.IGNORECASE)  # a UMLS concept id, as Graph-R1's observations list them
 
 
-def _option_letter(candidate: str, options: Mapping[str, str]) -> str | None:
-    """A letter from one candidate answer string: "B", "(B)", "B. text", or an option's exact text."""
+def _option_letter(candidate: str, options: Mapping[str, str],
+                   option_cuis: Sequence[str] | None = None) -> str | None:
+    """A letter from one candidate answer string: "B", "(B)", "B. text", an option's exact text, or the
+    concept id of exactly one option (`option_cuis`: each option's concept, in letter order). A candidate
+    that names concept ids but not exactly one option's is unreadable: it names another concept."""
     candidate = candidate.strip().strip("*").strip()
     letter = _LETTER_ALONE.match(candidate)
     if letter and letter.group(1).upper() in options:
         return letter.group(1).upper()
+    cuis = [str(cui).upper() for cui in option_cuis] if option_cuis is not None else []
+    by_cui = dict(zip(cuis, options)) if len(cuis) == len(options) else {}
+    named = {cui.upper() for cui in _CUI.findall(candidate)} if by_cui else set()
+    if named:
+        letters = {by_cui.get(cui) for cui in named}
+        return letters.pop() if len(letters) == 1 and None not in letters else None
     normalized = _normalize_text(candidate)
     if not normalized:
         return None
@@ -104,25 +114,27 @@ def parse_answer(text: str, item: QaItem) -> str | None:
     """The answer in a model's reply, or None when it cannot be read.
 
     Multiple choice: the option letter from `<answer>B</answer>`, "Answer: B", "the answer is
-    (B)", a bare letter, an option's exact text, or a reply that opens with exactly one option's
-    text ("Yes, because ..."). Short answer: the text of the answer tag,
-    of an "Answer:" line, or a reply that is itself one short line.
+    (B)", a bare letter, an option's exact text, a reply that opens with exactly one option's
+    text ("Yes, because ..."), or the concept id of one option (KG-derived items carry each
+    option's concept in `extra["option_cuis"]`; Graph-R1's observations list concepts by id).
+    Short answer: the text of the answer tag, of an "Answer:" line, or a reply that is itself
+    one short line.
     """
     if item.options:
-        return _parse_option(text, item.options)
+        return _parse_option(text, item.options, item.extra.get("option_cuis"))
     return _parse_short_answer(text)
 
 
-def _parse_option(text: str, options: Mapping[str, str]) -> str | None:
+def _parse_option(text: str, options: Mapping[str, str], option_cuis: Sequence[str] | None = None) -> str | None:
     for content in reversed(tag_contents(text, "answer")):
-        letter = _option_letter(content, options)
+        letter = _option_letter(content, options, option_cuis)
         if letter:
             return letter
     visible = re.sub(r"<\s*think\s*>.*?<\s*/\s*think\s*>", " ", text, flags=re.IGNORECASE | re.DOTALL)
     said = [m.group(1).upper() for m in _ANSWER_IS.finditer(visible) if m.group(1).upper() in options]
     if said:
         return said[-1]
-    return _option_letter(visible, options)
+    return _option_letter(visible, options, option_cuis)
 
 
 def _parse_short_answer(text: str) -> str | None:

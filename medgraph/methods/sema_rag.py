@@ -34,7 +34,7 @@ from typing import Any
 from medgraph.eval.questions import QaItem
 from medgraph.kg.graph import Triple
 from medgraph.llm.base import ChatModel, GenerationConfig, assistant, system, user
-from medgraph.methods.agent import Episode, Generate, Request, ToolCall, answer_call
+from medgraph.methods.agent import Episode, Generate, Request, ToolCall, answer_call, complete_cut_answer
 from medgraph.methods.common import (
     EvidenceSeen,
     FinalReply,
@@ -45,6 +45,7 @@ from medgraph.methods.common import (
     format_question,
     parse_fields,
     step_from_completion,
+    tag_contents,
 )
 from medgraph.methods.tools import KnowledgeTools, Passage
 
@@ -238,6 +239,9 @@ A_REPORT = ("You are a careful clinician. You weigh evidence before you answer. 
             "like [1], [3].")
 
 
+_STATES_ANSWER = re.compile(r"\banswer\s*(?:is|:)", re.IGNORECASE)
+
+
 def _context(item: QaItem, evidence: _Evidence | None = None) -> str:
     """The block every agent's message starts with: the question, then the evidence so far."""
     question = format_question(item)
@@ -323,7 +327,11 @@ class SemaRag:
 
     def _answer(self, item: QaItem, evidence: _Evidence, steps: list[Step],
                 stats: dict[str, object]) -> Generator[Request, Any, FinalReply]:
-        """A-Agent: an evidence report, then one option; without it, a direct answer from the evidence."""
+        """A-Agent: an evidence report, then one option; without it, a direct answer from the evidence.
+
+        A report cut at its token budget is handled as every method's cut reply (`agent.complete_cut_answer`):
+        an answer it states is read, else one short call asks for the answer alone, instead of a second
+        full-budget call after a report that never finished."""
         context = _context(item, evidence)
         if not self.config.use_a_agent:
             conversation = [system(SYSTEM), user(f"{context}\n\n{answer_instruction(item)}")]
@@ -333,6 +341,14 @@ class SemaRag:
         cited = sorted({int(n) for n in re.findall(r"\[(\d+)\]", report.text) if 0 < int(n) <= len(evidence.ids)})
         stats["cited_sources"] = cited
         steps.append(step_from_completion(len(steps), "a_agent_report", report, {"cited": cited}))
+        stats["report_cut"] = report.finish_reason == "length"
+        if stats["report_cut"]:
+            # Only an answer the report states counts, not the option its survey of the options opens with.
+            stated = report.text if tag_contents(report.text, "answer") or _STATES_ANSWER.search(report.text) else None
+            final = yield from complete_cut_answer(item, conversation, report, self.generation, steps, stated)
+            if final.extra_answer_call:
+                steps[-1].notes = steps[-1].notes.replace("the answer reply", "the evidence report", 1)
+            return final
         return (yield from answer_call(item, conversation + [assistant(report.text), user(answer_instruction(item))],
                                        self.generation, steps))
 

@@ -13,12 +13,14 @@ One step:
      averaged per episode and then over episodes (GRPO; `token_level_loss`
      averages over all tokens instead, as DAPO does), accumulated over
      micro-batches, gradients clipped to `max_grad_norm`, one AdamW step per
-     mini-batch (`minibatches` > 1 splits the rollouts into several steps, the
-     later ones slightly off-policy, which is what the clipped ratio is for).
+     mini-batch: `minibatches` (2 in every profile, as Graph-R1's released
+     training runs mini-batches of 64 of a batch of 128) splits the rollouts
+     into that many optimizer steps, the later ones off-policy, which is what
+     the clipped ratio is for.
 
-pi_old is the policy that sampled the rollouts: with one mini-batch it is the
-current policy itself (ratio 1, the gradient of the surrogate is A * grad
-log pi); with more, its log-probs are computed before the first update.
+pi_old is the policy that sampled the rollouts; its log-probs are computed
+once, before the first update. With one mini-batch it would be the current
+policy itself (ratio 1: the clip never acts, the gradient is A * grad log pi).
 
 bf16 autocast on CUDA, float32 on the CPU; LoRA (`lora_r` > 0) trains an
 adapter only, and then the reference is the same network with the adapter
@@ -109,6 +111,13 @@ def loss_weights(policy_tokens: Sequence[int], token_level: bool) -> list[float]
     return [1.0 / (max(n, 1) * len(policy_tokens)) for n in policy_tokens]
 
 
+def split_minibatches(episodes: int, minibatches: int) -> list[list[int]]:
+    """Episode indices of each optimizer step, dealt round-robin so that each mini-batch holds part of
+    every group; empty mini-batches (fewer episodes than `minibatches`) are left out."""
+    order = list(range(episodes))
+    return [order[i::minibatches] for i in range(minibatches) if order[i::minibatches]]
+
+
 # --------------------------------------------------------------------------- configuration
 
 
@@ -125,7 +134,7 @@ class GrpoConfig:
     beta: float = 0.04  # KL weight; 0 skips the reference pass
     reward_variant: str = "paper"  # "paper": r_acc + 0.1 r_fmt; "authors": -1 + r_fmt + r_acc if well formed
     format_weight: float = 0.1
-    minibatches: int = 1  # optimizer steps per rollout batch
+    minibatches: int = 2  # optimizer steps per rollout batch (1: on-policy, the ratio is 1 and never clipped)
     micro_batch_size: int = 4  # episodes per forward/backward; gradients accumulate over the rest
     max_grad_norm: float = 1.0
     token_level_loss: bool = False
@@ -216,10 +225,8 @@ def grpo_update(policy: TransformersChatModel, loss_model: torch.nn.Module, refe
         return {"loss": 0.0, "kl": 0.0, "clip_fraction": 0.0, "grad_norm": 0.0, "policy_tokens": 0.0}
     model, device = policy.model, policy.device
     encoded = [encode_conversation(policy.tokenizer, t.state.messages, policy.eos_ids) for t in trajectories]
-    order = list(range(len(encoded)))
-    minibatches = [order[i::config.minibatches] for i in range(config.minibatches) if order[i::config.minibatches]]
     plan = [[mini[i:i + config.micro_batch_size] for i in range(0, len(mini), config.micro_batch_size)]
-            for mini in minibatches]
+            for mini in split_minibatches(len(encoded), config.minibatches)]
     batches = {tuple(micro): make_batch([encoded[i] for i in micro], policy.pad_id, device)
                for micro_batches in plan for micro in micro_batches}
 
