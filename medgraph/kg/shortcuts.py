@@ -75,10 +75,15 @@ class _Graph:
         self.read: set[str] = set()
         with warehouse.connect(read_only=True) as con:
             self.concepts = con.execute("SELECT count(*) FROM kg.kg_nodes").fetchone()[0]
-            self.tui = dict(con.execute("SELECT cui, tuis[1] FROM kg.kg_nodes WHERE len(tuis) > 0").fetchall())
-            self.names = dict(con.execute("SELECT cui, preferred_name FROM kg.kg_nodes").fetchall())
             self._read(con, {c for item in items for c in (*item.seeds, *item.option_cuis)})
             self._read(con, {n for item in items if item.hops > 1 for s in item.seeds for n in self.neighbours[s]})
+            # Names and types of the concepts read (every endpoint of the edges above), not of the whole graph.
+            seen = sorted(set(self.neighbours) | {c for item in items for c in (*item.seeds, *item.option_cuis)})
+            con.register("shortcut_concepts", pa.table({"cui": pa.array(seen, pa.string())}))
+            rows = con.execute("SELECT n.cui, n.preferred_name, n.tuis[1], len(n.tuis) > 0 FROM kg.kg_nodes n "
+                               "WHERE n.cui IN (SELECT cui FROM shortcut_concepts)").fetchall()
+            self.names = {cui: name for cui, name, _, _ in rows}
+            self.tui = {cui: tui for cui, _, tui, typed in rows if typed}
 
     def _read(self, con, cuis: set[str]) -> None:
         wanted = sorted(cuis - self.read)
