@@ -353,6 +353,14 @@ class _Graph:
             seen |= level
         if pend_next:
             self._pending.update(dict.fromkeys(sorted(level - self._adjacency.keys())))
+        # The hierarchy above every concept read (candidates and answers are checked for lineage), one query
+        # per level for the whole batch.
+        frontier = {c for c in seen if self._concepts.get(c) is not None}
+        walked: set[str] = set()
+        while frontier:
+            walked |= frontier
+            self._load_parents(frontier)
+            frontier = {p for c in frontier for p in self._parents_of(c)} - walked
 
     def clear(self) -> None:
         for cache in (self._concepts, self._adjacency, self._children, self._parents_only, self._ancestors,
@@ -508,14 +516,15 @@ _POOLS = itertools.count()
 
 
 def _ranked_pages(graph: _Graph, sql: str, params: Mapping[str, object], per_page: int) -> Iterator[list[tuple]]:
-    """The rows of `sql` (a SELECT whose last column is `rank`), kept by DuckDB in a temp table and read
-    back `per_page` ranks at a time, in (rank, first column) order, without `rank`."""
+    """The rows (a, b) of `sql` (a SELECT of columns a, b, rank), kept by DuckDB in a temp table and read
+    back `per_page` rows at a time, in (rank, a, b) order."""
     table = f"qa_pool_{next(_POOLS)}"
-    graph.con.execute(f"CREATE TEMP TABLE {table} AS {sql}", dict(params))
-    (top,) = graph.con.execute(f"SELECT coalesce(max(rank), 0) FROM {table}").fetchone()
+    graph.con.execute(f"CREATE TEMP TABLE {table} AS SELECT *, row_number() OVER (ORDER BY rank, a, b) AS position "
+                      f"FROM ({sql})", dict(params))
+    (top,) = graph.con.execute(f"SELECT count(*) FROM {table}").fetchone()
     for start in range(0, top, per_page):
-        yield [row[:-1] for row in graph.con.execute(
-            f"SELECT * FROM {table} WHERE rank > ? AND rank <= ? ORDER BY rank, 1, 2",
+        yield [row[:-2] for row in graph.con.execute(
+            f"SELECT * FROM {table} WHERE position > ? AND position <= ? ORDER BY position",
             [start, start + per_page]).fetchall()]
 
 
@@ -528,7 +537,7 @@ def _subjects(graph: _Graph, rng: random.Random, max_answers: int | None, *, adj
     of `_BATCH` are read together (`_Graph.prefetch`)."""
     salt = f"{rng.getrandbits(64):016x}"
     sql = """
-        SELECT e.relation, e.src_cui,
+        SELECT e.relation AS a, e.src_cui AS b,
                row_number() OVER (PARTITION BY e.relation ORDER BY md5($salt || e.src_cui), e.src_cui) AS rank
         FROM (SELECT src_cui, relation, count(DISTINCT dst_cui) AS objects FROM kg.kg_edges
               WHERE src_cui <> dst_cui GROUP BY ALL) e
@@ -538,8 +547,7 @@ def _subjects(graph: _Graph, rng: random.Random, max_answers: int | None, *, adj
     """
     params = {"salt": salt, "max_degree": graph.limits.max_degree, "skip": sorted(graph.limits.skip_relations),
               "max_answers": max_answers if max_answers is not None else 2**62}
-    relations = len(graph.relations) or 1
-    for page in _ranked_pages(graph, sql, params, max(1, _BATCH // relations)):
+    for page in _ranked_pages(graph, sql, params, _BATCH):
         graph.prefetch({subject for _, subject in page}, adjacency_levels, concept_levels, expand_hubs, pend_next)
         yield from page
 
@@ -914,7 +922,7 @@ def _answers(graph: _Graph, rng: random.Random) -> Iterator[str]:
     """Every nameable concept with an edge, in a pseudo-random order drawn from `rng`; the neighbourhoods of
     each batch read together."""
     sql = """
-        SELECT e.cui, NULL, row_number() OVER (ORDER BY md5($salt || e.cui), e.cui) AS rank
+        SELECT e.cui AS a, NULL AS b, row_number() OVER (ORDER BY md5($salt || e.cui), e.cui) AS rank
         FROM (SELECT DISTINCT src_cui AS cui FROM kg.kg_edges WHERE src_cui <> dst_cui) e
         JOIN qa_concepts q ON q.cui = e.cui WHERE NOT q.ambiguous
     """
