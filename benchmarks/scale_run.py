@@ -1,14 +1,14 @@
 """A scale run anyone can repeat (issue 27): synthetic UMLS releases of given sizes, every CPU data asset
 materialized in a fresh home, one measured step per asset group.
 
-    .venv/bin/python benchmarks/scale_run.py --mrrel-rows 1000000 2000000 --workdir /tmp/scale
+    .venv/bin/python benchmarks/scale_run.py --mrrel-rows 1000000 2000000 --work-dir /tmp/scale
 
-For each size: writes `write_synthetic_release(<workdir>/r<rows>/release, rows)`, then runs each step as
+For each size: writes `write_synthetic_release(<work-dir>/r<rows>/release, rows)`, then runs each step as
 its own child process (`dg launch -m definitions --assets ...` with MEDGRAPH_PROFILE=full, MEDGRAPH_UMLS_DIR
 and a fresh MEDGRAPH_HOME) and records its wall time, the child's peak RSS (`os.wait4`'s ru_maxrss), the
 home's size on disk after it and the rows of the tables it wrote. Prints one table per size, the growth
 exponent of time and memory between consecutive sizes (log ratio over log ratio of rows: 1.0 is linear),
-and writes everything to <workdir>/scale_run.json. Embeddings and the GPU assets are not steps (yet).
+and writes everything to <work-dir>/scale_run.json. Embeddings and the GPU assets are not steps (yet).
 """
 
 from __future__ import annotations
@@ -121,14 +121,14 @@ def exponents(steps: list[Step]) -> list[dict[str, object]]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--mrrel-rows", type=int, nargs="+", required=True)
-    parser.add_argument("--workdir", type=Path, default=ROOT / ".scale")
+    parser.add_argument("--work-dir", type=Path, default=ROOT / "benchmarks" / "_work" / "scale_run")
     args = parser.parse_args()
-    steps = [step for rows_in in sorted(args.mrrel_rows) for step in run_size(rows_in, args.workdir)]
+    steps = [step for rows_in in sorted(args.mrrel_rows) for step in run_size(rows_in, args.work_dir)]
     growth = exponents(steps)
     for row in growth:
         print(f"{row['step']:<8} {row['from']:,} -> {row['to']:,}: time x^{row['time_exponent']}, "
               f"peak RSS x^{row['rss_exponent']}")
-    (args.workdir / "scale_run.json").write_text(json.dumps(
+    (args.work_dir / "scale_run.json").write_text(json.dumps(
         {"steps": [asdict(s) for s in steps], "growth": growth}, indent=1))
 
 
