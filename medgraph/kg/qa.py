@@ -59,21 +59,23 @@ The items are published as `qa.qa_items` and as MIRAGE files of
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import logging
 import random
 import time
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
+import duckdb
 import pyarrow as pa
 
 from medgraph.eval.questions import QaItem, write_mirage
 from medgraph.kg.graph import NORMALIZE_SQL
-from medgraph.kg.shortcuts import content_words
 from medgraph.kg.relation_phrases import UNINFORMATIVE_RELATIONS, relation_phrases
+from medgraph.kg.shortcuts import content_words
 from medgraph.storage import Warehouse
 
 log = logging.getLogger(__name__)
@@ -112,31 +114,261 @@ class QaLimits:
     max_adjacency_chance: float = 0.1
 
 
-# --------------------------------------------------------------------------- the graph in memory
+# --------------------------------------------------------------------------- the graph, read in batches
 
 
-@dataclass
+_BATCH = 256  # question subjects whose neighbourhoods are read together
+_CACHE_BUDGET = 2_000_000  # concepts and adjacency entries held in Python before the caches are emptied
+
+
+@dataclass(frozen=True)
+class _Concept:
+    name: str
+    synonyms: tuple[str, ...]
+    normalized_names: frozenset[str]  # every name, normalized
+    tuis: tuple[str, ...]
+    ambiguous: bool  # the preferred name is also a name of another concept
+    degree: int  # distinct neighbours, both directions, any relation
+
+
+@dataclass(frozen=True)
+class _Adjacency:
+    out: dict[str, tuple[str, ...]]  # relation -> objects (sorted)
+    into: dict[str, tuple[str, ...]]  # relation -> subjects (sorted)
+    neighbours: frozenset[str]
+    parents: tuple[str, ...]  # CHD edges: this concept is a child of each
+
+
+_NO_ADJACENCY = _Adjacency({}, {}, frozenset(), ())
+
+
+class _View:
+    """A read-only mapping over one field of the graph's per-concept caches, loaded on a miss."""
+
+    def __init__(self, get: Callable[[str], object | None]):
+        self._get = get
+
+    def get(self, key: str, default: object = None) -> object:
+        value = self._get(key)
+        return default if value is None else value
+
+    def __getitem__(self, key: str) -> object:
+        value = self._get(key)
+        if value is None:
+            raise KeyError(key)
+        return value
+
+    def __contains__(self, key: object) -> bool:
+        return self._get(key) is not None  # type: ignore[arg-type]
+
+
 class _Graph:
-    """The parts of `kg.*` the generator walks: adjacency by relation, names, types, hierarchy."""
+    """The parts of `kg.*` the generator walks, read from DuckDB around the sampled question concepts.
 
-    names: dict[str, str]
-    synonyms: dict[str, tuple[str, ...]]
-    normalized_names: dict[str, frozenset[str]]  # every name of a concept, normalized
-    tuis: dict[str, tuple[str, ...]]
-    ambiguous: frozenset[str]  # concepts whose preferred name is also a name of another concept
-    out: dict[str, dict[str, tuple[str, ...]]]  # src -> relation -> dsts (sorted)
-    into: dict[str, dict[str, tuple[str, ...]]]  # dst -> relation -> srcs (sorted)
-    neighbours: dict[str, frozenset[str]]  # both directions, any relation
-    parents: dict[str, tuple[str, ...]]  # CHD edges: src is a child of dst
-    children: dict[str, tuple[str, ...]]
-    inverse: dict[str, str]  # relation -> the relation its edges are listed under in reverse
-    hierarchical: frozenset[str]  # relations whose edges are all PAR/CHD/RB/RN (isa, inverse_isa, ...)
-    relations: tuple[str, ...]
-    by_tui: dict[str, list[str]]
-    range_by_tui: dict[tuple[str, str], list[str]]  # (relation, tui) -> objects of that relation
-    limits: QaLimits
-    _ancestors: dict[str, frozenset[str]] = field(default_factory=dict)
-    _alike: dict[tuple[str, str], tuple[str, ...]] = field(default_factory=dict)
+    Whole-graph facts that are small (the relations, their inverses, which are hierarchical) and the
+    per-concept flags (degree, ambiguous preferred name: a DuckDB temp table, `qa_concepts`) are computed
+    by DuckDB once; names, types and adjacency are read in batches (`prefetch`) for the neighbourhoods of
+    the subjects being drafted, and on a miss together with the pending rest of the neighbourhood. The
+    caches are emptied when they exceed `_CACHE_BUDGET`, so memory is bounded by the batch, not the graph;
+    every answer is a function of the graph alone, so what is cached never changes a question.
+    """
+
+    def __init__(self, con: duckdb.DuckDBPyConnection, limits: QaLimits):
+        self.con = con
+        self.limits = limits
+        self._concepts: dict[str, _Concept | None] = {}
+        self._adjacency: dict[str, _Adjacency] = {}
+        self._children: dict[str, tuple[str, ...]] = {}
+        self._parents_only: dict[str, tuple[str, ...]] = {}  # read for hierarchy walks
+        self._ancestors: dict[str, frozenset[str]] = {}
+        self._alike: dict[tuple[str, str], tuple[str, ...]] = {}
+        self._typed: dict[tuple[str, ...], list[str]] = {}
+        self._pending: dict[str, None] = {}  # concepts a prefetch expects to need; loaded with the next miss
+        self._held = 0
+        self.rows_read = 0  # adjacency and concept rows fetched into Python (tests bound it)
+        self.names = _View(lambda c: (x := self._concept(c)) and x.name)
+        self.synonyms = _View(lambda c: (x := self._concept(c)) and x.synonyms or None)
+        self.normalized_names = _View(lambda c: (x := self._concept(c)) and x.normalized_names)
+        self.tuis = _View(lambda c: (x := self._concept(c)) and x.tuis)
+        self.out = _View(lambda c: self._adjacent(c).out)
+        self.into = _View(lambda c: self._adjacent(c).into)
+        self.neighbours = _View(lambda c: self._adjacent(c).neighbours)
+        self.parents = _View(self._parents_of)
+        self.children = _View(self._children_of)
+        self.by_tui = _View(lambda tui: self._typed_sample(None, tui))
+        self.range_by_tui = _View(lambda key: self._typed_sample(*key))
+        normalize = NORMALIZE_SQL
+        con.execute(f"""
+            CREATE OR REPLACE TEMP TABLE qa_concepts AS
+            WITH names AS (
+                SELECT cui, {normalize.format('preferred_name')} AS preferred,
+                       list_transform(list_prepend(preferred_name, coalesce(synonyms, [])),
+                                      x -> {normalize.format('x')}) AS forms
+                FROM kg.kg_nodes),
+            owners AS (
+                SELECT form, count(DISTINCT cui) AS owners
+                FROM (SELECT cui, unnest(forms) AS form FROM names) WHERE form <> '' GROUP BY form),
+            links AS (
+                SELECT src_cui AS cui, dst_cui AS other FROM kg.kg_edges WHERE src_cui <> dst_cui
+                UNION ALL SELECT dst_cui, src_cui FROM kg.kg_edges WHERE src_cui <> dst_cui),
+            degrees AS (SELECT cui, count(DISTINCT other) AS degree FROM links GROUP BY cui)
+            SELECT n.cui, n.preferred IS NULL OR n.preferred = '' OR coalesce(o.owners, 0) > 1 AS ambiguous,
+                   coalesce(d.degree, 0) AS degree
+            FROM names n LEFT JOIN owners o ON o.form = n.preferred LEFT JOIN degrees d ON d.cui = n.cui
+        """)
+        relation_rels = con.execute("SELECT relation, list(DISTINCT rel) FROM kg.kg_edges GROUP BY ALL").fetchall()
+        self.relations = tuple(sorted(r for r, _ in relation_rels))
+        self.hierarchical = frozenset(r for r, rels in relation_rels if set(rels) <= {"PAR", "CHD", "RB", "RN"})
+        # A relation's inverse is the relation most of its edges reappear under, reversed (a DuckDB join:
+        # only one row per pair of relations comes back).
+        inverse_counts = con.execute(
+            """
+            WITH totals AS (SELECT relation, count(*) AS edges FROM kg.kg_edges GROUP BY ALL)
+            SELECT a.relation, b.relation, count(*) AS reversed, any_value(t.edges)
+            FROM kg.kg_edges a
+            JOIN kg.kg_edges b ON b.src_cui = a.dst_cui AND b.dst_cui = a.src_cui
+            JOIN totals t ON t.relation = a.relation
+            GROUP BY ALL ORDER BY a.relation, reversed DESC, b.relation
+            """
+        ).fetchall()
+        self.inverse: dict[str, str] = {}
+        for relation, reverse_relation, reversed_edges, edges in inverse_counts:
+            if relation not in self.inverse and reversed_edges * 2 >= edges:
+                self.inverse[relation] = reverse_relation
+
+    # ----------------------------------------------------------------- reading
+
+    def _wanted(self, cuis: Iterable[str]) -> None:
+        self.con.register("qa_wanted", pa.table({"cui": pa.array(sorted(set(cuis)), pa.string())}))
+
+    def _load_concepts(self, cuis: Iterable[str]) -> None:
+        wanted = {c for c in cuis if c not in self._concepts}
+        if not wanted:
+            return
+        self._wanted(wanted)
+        rows = self.con.execute(
+            f"""
+            SELECT n.cui, n.preferred_name, coalesce(n.synonyms, []), coalesce(n.tuis, []),
+                   list_transform(list_prepend(n.preferred_name, coalesce(n.synonyms, [])),
+                                  x -> {NORMALIZE_SQL.format('x')}), q.ambiguous, q.degree
+            FROM kg.kg_nodes n JOIN qa_concepts q ON q.cui = n.cui
+            WHERE n.cui IN (SELECT cui FROM qa_wanted)
+            """
+        ).fetchall()
+        self.rows_read += len(rows)
+        for cui, name, synonyms, tuis, forms, ambiguous, degree in rows:
+            self._concepts[cui] = _Concept(name, tuple(synonyms), frozenset(f for f in forms if f), tuple(tuis),
+                                           bool(ambiguous), int(degree))
+        for cui in wanted - {row[0] for row in rows}:
+            self._concepts[cui] = None  # an edge endpoint without a node
+        self._held += len(wanted)
+
+    def _load_adjacency(self, cuis: Iterable[str]) -> None:
+        wanted = {c for c in cuis if c not in self._adjacency}
+        if not wanted:
+            return
+        self._wanted(wanted)
+        rows = self.con.execute(
+            "SELECT DISTINCT src_cui, relation, dst_cui, rel = 'CHD' FROM kg.kg_edges WHERE src_cui <> dst_cui "
+            "AND (src_cui IN (SELECT cui FROM qa_wanted) OR dst_cui IN (SELECT cui FROM qa_wanted))"
+        ).fetchall()
+        self.rows_read += len(rows)
+        out: dict[str, dict[str, set[str]]] = defaultdict(lambda: defaultdict(set))
+        into: dict[str, dict[str, set[str]]] = defaultdict(lambda: defaultdict(set))
+        parents: dict[str, set[str]] = defaultdict(set)
+        for src, relation, dst, chd in rows:
+            if src in wanted:
+                out[src][relation].add(dst)
+                if chd:
+                    parents[src].add(dst)
+            if dst in wanted:
+                into[dst][relation].add(src)
+        for cui in wanted:
+            outs = {r: tuple(sorted(d)) for r, d in sorted(out[cui].items())} if cui in out else {}
+            ins = {r: tuple(sorted(s)) for r, s in sorted(into[cui].items())} if cui in into else {}
+            neighbours = frozenset(n for targets in (*outs.values(), *ins.values()) for n in targets)
+            self._adjacency[cui] = _Adjacency(outs, ins, neighbours, tuple(sorted(parents.get(cui, ())))) \
+                if outs or ins else _NO_ADJACENCY
+            self._pending.pop(cui, None)
+        self._held += len(wanted) + len(rows)
+
+    def _concept(self, cui: str) -> _Concept | None:
+        if cui not in self._concepts:
+            self._load_concepts([cui])
+        return self._concepts[cui]
+
+    def _adjacent(self, cui: str) -> _Adjacency:
+        adjacency = self._adjacency.get(cui)
+        if adjacency is None:  # a miss: read it with the rest of what the batch expects to need
+            pending = [c for c in self._pending if c not in self._adjacency][:_BATCH]
+            self._load_adjacency([cui, *pending])
+            adjacency = self._adjacency[cui]
+        return adjacency
+
+    def _parents_of(self, cui: str) -> tuple[str, ...]:
+        if cui in self._adjacency:
+            return self._adjacency[cui].parents
+        if cui not in self._parents_only:
+            self._load_parents({cui})
+        return self._parents_only[cui]
+
+    def _children_of(self, cui: str) -> tuple[str, ...]:
+        if cui not in self._children:
+            rows = self.con.execute(
+                "SELECT list(DISTINCT src_cui ORDER BY src_cui) FROM kg.kg_edges "
+                "WHERE rel = 'CHD' AND dst_cui = ? AND src_cui <> dst_cui", [cui]).fetchone()
+            self._children[cui] = tuple(rows[0] or ()) if rows else ()
+        return self._children[cui]
+
+    def _typed_sample(self, relation: str | None, tui: str, size: int = 1000) -> list[str]:
+        """Concepts of a semantic type (objects of `relation` if given): a fixed pseudo-random sample of
+        `size`, sorted (used by the "non_neighbours" rule only, which draws from them at random)."""
+        key = (relation or "", tui)
+        if key not in self._typed:
+            source = ("(SELECT DISTINCT dst_cui AS cui FROM kg.kg_edges WHERE relation = $relation)"
+                      if relation else "kg.kg_nodes")
+            self._typed[key] = [c for (c,) in self.con.execute(
+                f"SELECT s.cui FROM {source} s JOIN kg.kg_nodes n ON n.cui = s.cui "
+                f"WHERE list_contains(n.tuis, $tui) ORDER BY md5(s.cui), s.cui LIMIT {size}",
+                {"tui": tui, **({"relation": relation} if relation else {})}).fetchall()]
+            self._typed[key].sort()
+        return self._typed[key]
+
+    def prefetch(self, cuis: Iterable[str], adjacency_levels: int, concept_levels: int, expand_hubs: bool,
+                 pend_next: bool = False) -> None:
+        """Read, in a few queries, the adjacency of the first `adjacency_levels` levels around `cuis` (level 0:
+        `cuis`, level 1: their neighbours, ...) and the names and types of the first `concept_levels`
+        (at most one more); past level 0 a hub's neighbourhood is read only if `expand_hubs`. With
+        `pend_next`, the adjacency of the last level is read with the first miss among it."""
+        if self._held > _CACHE_BUDGET:
+            self.clear()
+        level, seen = set(cuis), set(cuis)
+        for hop in range(concept_levels):
+            self._load_concepts(level)
+            if hop >= adjacency_levels:
+                break
+            expand = level if expand_hubs or hop == 0 else {c for c in level if not self.is_hub(c)}
+            self._load_adjacency(expand)
+            level = {n for c in expand for n in self._adjacency[c].neighbours} - seen
+            seen |= level
+        if pend_next:
+            self._pending.update(dict.fromkeys(sorted(level - self._adjacency.keys())))
+        # The hierarchy above every concept read (candidates and answers are checked for lineage), one query
+        # per level for the whole batch.
+        frontier = {c for c in seen if self._concepts.get(c) is not None}
+        walked: set[str] = set()
+        while frontier:
+            walked |= frontier
+            self._load_parents(frontier)
+            frontier = {p for c in frontier for p in self._parents_of(c)} - walked
+
+    def clear(self) -> None:
+        for cache in (self._concepts, self._adjacency, self._children, self._parents_only, self._ancestors,
+                      self._pending):
+            cache.clear()
+        self._held = 0
+
+    # ----------------------------------------------------------------- what the drafters ask
 
     def objects(self, subject: str, relation: str) -> tuple[str, ...]:
         return self.out.get(subject, {}).get(relation, ())
@@ -190,11 +422,14 @@ class _Graph:
         return first in self.hierarchical and second in self.hierarchical
 
     def is_hub(self, cui: str) -> bool:
-        return len(self.neighbours.get(cui, ())) > self.limits.max_degree
+        concept = self._concept(cui)
+        degree = concept.degree if concept is not None else len(self.neighbours.get(cui, ()))
+        return degree > self.limits.max_degree
 
     def can_be_named(self, cui: str) -> bool:
         """A concept a question can mention (or offer as an option) by its preferred name alone."""
-        return cui in self.names and cui not in self.ambiguous
+        concept = self._concept(cui)
+        return concept is not None and not concept.ambiguous
 
     def is_seed(self, cui: str) -> bool:
         return self.can_be_named(cui) and not self.is_hub(cui)
@@ -203,14 +438,30 @@ class _Graph:
         cached = self._ancestors.get(cui)
         if cached is None:
             seen: set[str] = set()
-            stack = list(self.parents.get(cui, ()))
-            while stack:
-                parent = stack.pop()
-                if parent not in seen:
-                    seen.add(parent)
-                    stack.extend(self.parents.get(parent, ()))
+            frontier = set(self.parents.get(cui, ()))
+            while frontier:  # one query per level of the hierarchy for what is not read yet
+                seen |= frontier
+                self._load_parents(frontier)
+                frontier = {p for c in frontier for p in self.parents.get(c, ())} - seen
             cached = self._ancestors[cui] = frozenset(seen)
+            self._held += len(cached)
         return cached
+
+    def _load_parents(self, cuis: set[str]) -> None:
+        """Parents only (CHD edges), for concepts whose adjacency is not read: the walk up a hierarchy
+        need not read the (large) neighbourhoods of general concepts."""
+        wanted = {c for c in cuis if c not in self._adjacency and c not in self._parents_only}
+        if not wanted:
+            return
+        self._wanted(wanted)
+        rows = self.con.execute(
+            "SELECT src_cui, list(DISTINCT dst_cui ORDER BY dst_cui) FROM kg.kg_edges WHERE rel = 'CHD' "
+            "AND src_cui <> dst_cui AND src_cui IN (SELECT cui FROM qa_wanted) GROUP BY ALL").fetchall()
+        self.rows_read += len(rows)
+        found = dict(rows)
+        for cui in wanted:
+            self._parents_only[cui] = tuple(found.get(cui, ()))
+        self._held += len(wanted)
 
     def in_lineage(self, a: str, b: str) -> bool:
         """True when one concept is an ancestor of the other."""
@@ -241,97 +492,6 @@ class _Graph:
         return tuple(names)
 
 
-def _load_graph(warehouse: Warehouse, limits: QaLimits) -> _Graph:
-    """Read `kg.kg_nodes` and `kg.kg_edges` into dictionaries (about 1 s per 100k edges)."""
-    normalize = NORMALIZE_SQL
-    with warehouse.connect(read_only=True) as con:
-        nodes = con.execute(
-            f"""
-            SELECT cui, preferred_name, coalesce(synonyms, []), coalesce(tuis, []),
-                   {normalize.format('preferred_name')},
-                   list_transform(list_prepend(preferred_name, coalesce(synonyms, [])),
-                                  x -> {normalize.format('x')})
-            FROM kg.kg_nodes ORDER BY cui
-            """
-        ).fetchall()
-        adjacency = con.execute(
-            "SELECT src_cui, relation, list(DISTINCT dst_cui ORDER BY dst_cui) FROM kg.kg_edges "
-            "WHERE src_cui <> dst_cui GROUP BY ALL ORDER BY ALL"
-        ).fetchall()
-        hierarchy = con.execute(
-            "SELECT src_cui, list(DISTINCT dst_cui ORDER BY dst_cui) FROM kg.kg_edges "
-            "WHERE rel = 'CHD' AND src_cui <> dst_cui GROUP BY ALL ORDER BY ALL"
-        ).fetchall()
-        typed_objects = con.execute(
-            """
-            SELECT e.relation, t.tui, list(DISTINCT e.dst_cui ORDER BY e.dst_cui)
-            FROM (SELECT DISTINCT relation, dst_cui FROM kg.kg_edges) e
-            JOIN (SELECT cui, unnest(tuis) AS tui FROM kg.kg_nodes) t ON t.cui = e.dst_cui
-            GROUP BY ALL ORDER BY ALL
-            """
-        ).fetchall()
-        relation_rels = con.execute("SELECT relation, list(DISTINCT rel) FROM kg.kg_edges GROUP BY ALL").fetchall()
-        inverse_counts = con.execute(
-            """
-            WITH totals AS (SELECT relation, count(*) AS edges FROM kg.kg_edges GROUP BY ALL)
-            SELECT a.relation, b.relation, count(*) AS reversed, any_value(t.edges)
-            FROM kg.kg_edges a
-            JOIN kg.kg_edges b ON b.src_cui = a.dst_cui AND b.dst_cui = a.src_cui
-            JOIN totals t ON t.relation = a.relation
-            GROUP BY ALL ORDER BY a.relation, reversed DESC, b.relation
-            """
-        ).fetchall()
-
-    names = {cui: name for cui, name, *_ in nodes}
-    synonyms = {cui: tuple(s) for cui, _, s, *_ in nodes if s}
-    tuis = {cui: tuple(t) for cui, _, _, t, *_ in nodes}
-    normalized_names = {cui: frozenset(n for n in forms if n) for cui, *_, forms in nodes}
-    owners: dict[str, set[str]] = defaultdict(set)
-    for cui, forms in normalized_names.items():
-        for form in forms:
-            owners[form].add(cui)
-    # A preferred name that is also a name of another concept does not say which one is meant.
-    ambiguous = frozenset(cui for cui, _, _, _, preferred, _ in nodes if not preferred or len(owners[preferred]) > 1)
-
-    out: dict[str, dict[str, tuple[str, ...]]] = defaultdict(dict)
-    into_lists: dict[str, dict[str, list[str]]] = defaultdict(lambda: defaultdict(list))
-    neighbour_sets: dict[str, set[str]] = defaultdict(set)
-    for src, relation, dsts in adjacency:
-        out[src][relation] = tuple(dsts)
-        neighbour_sets[src].update(dsts)
-        for dst in dsts:
-            into_lists[dst][relation].append(src)
-            neighbour_sets[dst].add(src)
-    into = {dst: {r: tuple(sorted(s)) for r, s in by_relation.items()} for dst, by_relation in into_lists.items()}
-
-    parents = {child: tuple(ps) for child, ps in hierarchy}
-    children_lists: dict[str, list[str]] = defaultdict(list)
-    for child, ps in hierarchy:
-        for parent in ps:
-            children_lists[parent].append(child)
-
-    # A relation's inverse is the relation most of its edges reappear under, reversed.
-    inverse: dict[str, str] = {}
-    for relation, reverse_relation, reversed_edges, edges in inverse_counts:
-        if relation not in inverse and reversed_edges * 2 >= edges:
-            inverse[relation] = reverse_relation
-
-    by_tui: dict[str, list[str]] = defaultdict(list)
-    for cui in sorted(names):
-        for tui in tuis[cui]:
-            by_tui[tui].append(cui)
-    return _Graph(
-        names=names, synonyms=synonyms, normalized_names=normalized_names, tuis=tuis, ambiguous=ambiguous,
-        out=dict(out), into=into, neighbours={c: frozenset(n) for c, n in neighbour_sets.items()},
-        parents=parents, children={p: tuple(sorted(c)) for p, c in children_lists.items()},
-        inverse=inverse,
-        hierarchical=frozenset(r for r, rels in relation_rels if set(rels) <= {"PAR", "CHD", "RB", "RN"}),
-        relations=tuple(sorted(r for r, _ in relation_rels)),
-        by_tui=dict(by_tui), range_by_tui={(relation, tui): objects for relation, tui, objects in typed_objects},
-        limits=limits,
-    )
-
-
 # --------------------------------------------------------------------------- drafting questions
 
 
@@ -352,31 +512,44 @@ class _Draft:
     relations: tuple[str, ...]
 
 
-def _subject_pools(graph: _Graph, rng: random.Random, max_answers: int | None) -> dict[str, list[str]]:
-    """Per usable relation, the question entities it can be asked about, shuffled."""
-    pools: dict[str, list[str]] = defaultdict(list)
-    for subject in sorted(graph.out):
-        if not graph.is_seed(subject):
-            continue
-        for relation, objects in graph.out[subject].items():
-            if graph.usable_relation(relation) and (max_answers is None or len(objects) <= max_answers):
-                pools[relation].append(subject)
-    for subjects in pools.values():
-        rng.shuffle(subjects)
-    return dict(pools)
+_POOLS = itertools.count()
 
 
-def _round_robin(pools: Mapping[str, Sequence[str]]) -> Iterator[tuple[str, str]]:
-    """(relation, subject) pairs taking one from each relation in turn, so that rare
-    relations (a few drug edges) are asked about as well as abundant ones."""
-    iterators = {key: iter(pools[key]) for key in sorted(pools)}
-    while iterators:
-        for key, iterator in list(iterators.items()):
-            for subject in iterator:
-                yield key, subject
-                break
-            else:
-                del iterators[key]
+def _ranked_pages(graph: _Graph, sql: str, params: Mapping[str, object], per_page: int) -> Iterator[list[tuple]]:
+    """The rows (a, b) of `sql` (a SELECT of columns a, b, rank), kept by DuckDB in a temp table and read
+    back `per_page` rows at a time, in (rank, a, b) order."""
+    table = f"qa_pool_{next(_POOLS)}"
+    graph.con.execute(f"CREATE TEMP TABLE {table} AS SELECT *, row_number() OVER (ORDER BY rank, a, b) AS position "
+                      f"FROM ({sql})", dict(params))
+    (top,) = graph.con.execute(f"SELECT count(*) FROM {table}").fetchone()
+    for start in range(0, top, per_page):
+        yield [row[:-2] for row in graph.con.execute(
+            f"SELECT * FROM {table} WHERE position > ? AND position <= ? ORDER BY position",
+            [start, start + per_page]).fetchall()]
+
+
+def _subjects(graph: _Graph, rng: random.Random, max_answers: int | None, *, adjacency_levels: int,
+              concept_levels: int, expand_hubs: bool = False, pend_next: bool = False) -> Iterator[tuple[str, str]]:
+    """(relation, subject) pairs for every usable relation and every question entity it can be asked about
+    (a seed: nameable, no hub; at most `max_answers` objects), taking one from each relation in turn so that
+    rare relations (a few drug edges) are asked about as well as abundant ones; each relation's subjects in
+    a pseudo-random order drawn from `rng`. DuckDB chooses and orders them; the neighbourhoods of each batch
+    of `_BATCH` are read together (`_Graph.prefetch`)."""
+    salt = f"{rng.getrandbits(64):016x}"
+    sql = """
+        SELECT e.relation AS a, e.src_cui AS b,
+               row_number() OVER (PARTITION BY e.relation ORDER BY md5($salt || e.src_cui), e.src_cui) AS rank
+        FROM (SELECT src_cui, relation, count(DISTINCT dst_cui) AS objects FROM kg.kg_edges
+              WHERE src_cui <> dst_cui GROUP BY ALL) e
+        JOIN qa_concepts q ON q.cui = e.src_cui
+        WHERE NOT q.ambiguous AND q.degree <= $max_degree AND e.objects <= $max_answers
+          AND NOT list_contains($skip, e.relation)
+    """
+    params = {"salt": salt, "max_degree": graph.limits.max_degree, "skip": sorted(graph.limits.skip_relations),
+              "max_answers": max_answers if max_answers is not None else 2**62}
+    for page in _ranked_pages(graph, sql, params, _BATCH):
+        graph.prefetch({subject for _, subject in page}, adjacency_levels, concept_levels, expand_hubs, pend_next)
+        yield from page
 
 
 def _pick(rng: random.Random, population: Sequence[str], accept: Callable[[str], bool], k: int,
@@ -469,7 +642,7 @@ def _by_name(graph: _Graph, cuis: Iterable[str]) -> list[str]:
 
 
 def _mc_drafts(graph: _Graph, rng: random.Random) -> Iterator[_Draft]:
-    for relation, subject in _round_robin(_subject_pools(graph, rng, max_answers=None)):
+    for relation, subject in _subjects(graph, rng, None, adjacency_levels=2, concept_levels=2):
         candidates = [c for c in graph.objects(subject, relation) if graph.can_be_named(c)]
         if not candidates:
             continue
@@ -506,7 +679,7 @@ def _yesno_drafts(graph: _Graph, rng: random.Random) -> Iterator[_Draft]:
     (Hypertension may_be_treated_by lisinopril).
     """
     asked: set[Edge] = set()
-    for relation, subject in _round_robin(_subject_pools(graph, rng, max_answers=None)):
+    for relation, subject in _subjects(graph, rng, None, adjacency_levels=2, concept_levels=2):
         candidates = [c for c in graph.objects(subject, relation) if graph.can_be_named(c)]
         if not candidates:
             continue
@@ -542,7 +715,7 @@ def _yesno_drafts(graph: _Graph, rng: random.Random) -> Iterator[_Draft]:
 
 def _short_1hop_drafts(graph: _Graph, rng: random.Random) -> Iterator[_Draft]:
     limits = graph.limits
-    for relation, subject in _round_robin(_subject_pools(graph, rng, max_answers=limits.max_answers)):
+    for relation, subject in _subjects(graph, rng, limits.max_answers, adjacency_levels=1, concept_levels=2):
         answers = _by_name(graph, graph.objects_worded(subject, relation, "short"))
         if len(answers) > limits.max_answers or _structure_answers(graph, (subject,), 1, answers):
             continue
@@ -591,7 +764,8 @@ def _chains(graph: _Graph, rng: random.Random, max_answers: int) -> Iterator[_Ch
     subject's own neighbourhood), and two hierarchy steps are not combined.
     """
     limits = graph.limits
-    for first, subject in _round_robin(_subject_pools(graph, rng, max_answers=limits.max_answers)):
+    for first, subject in _subjects(graph, rng, limits.max_answers, adjacency_levels=2, concept_levels=3,
+                                    expand_hubs=True, pend_next=True):
         firsts = graph.worded_alike(first, "via")
         bridges = sorted(graph.objects_worded(subject, first, "via"))
         if len(bridges) > limits.max_answers or any(graph.is_hub(bridge) for bridge in bridges):
@@ -693,9 +867,7 @@ def _intersection_drafts(graph: _Graph, rng: random.Random, attempts: int = 3) -
     The gold path runs e1 -> answer -> e2 through the answer.
     """
     limits = graph.limits
-    candidates = [c for c in sorted(graph.out) if graph.can_be_named(c)]
-    rng.shuffle(candidates)
-    for answer in candidates:
+    for answer in _answers(graph, rng):
         constraints: dict[str, list[str]] = {}
         for relation, objects in sorted(graph.out[answer].items()):
             seeds = [o for o in objects if graph.is_seed(o)]
@@ -744,6 +916,19 @@ def _intersection_drafts(graph: _Graph, rng: random.Random, attempts: int = 3) -
                 relations=(asked, forward),  # answer -> e1, answer -> e2
             )
             break
+
+
+def _answers(graph: _Graph, rng: random.Random) -> Iterator[str]:
+    """Every nameable concept with an edge, in a pseudo-random order drawn from `rng`; the neighbourhoods of
+    each batch read together."""
+    sql = """
+        SELECT e.cui AS a, NULL AS b, row_number() OVER (ORDER BY md5($salt || e.cui), e.cui) AS rank
+        FROM (SELECT DISTINCT src_cui AS cui FROM kg.kg_edges WHERE src_cui <> dst_cui) e
+        JOIN qa_concepts q ON q.cui = e.cui WHERE NOT q.ambiguous
+    """
+    for page in _ranked_pages(graph, sql, {"salt": f"{rng.getrandbits(64):016x}"}, _BATCH):
+        graph.prefetch({cui for cui, _ in page}, adjacency_levels=2, concept_levels=3, expand_hubs=False)
+        yield from (cui for cui, _ in page)
 
 
 def _short_2hop_drafts(graph: _Graph, rng: random.Random) -> Iterator[_Draft]:
@@ -1004,6 +1189,7 @@ class QaStats:
     largest_component: int  # items in the largest one
     pairs_in_two_splits: int  # unordered gold pairs found in more than one split: 0 by construction
     json_paths: dict[str, str]
+    graph_rows_read: int = 0  # adjacency and concept rows of kg.* read into Python (the rest stays in DuckDB)
 
     def as_metadata(self) -> dict[str, object]:
         metadata: dict[str, object] = {
@@ -1018,6 +1204,7 @@ class QaStats:
             "largest_fact_component_items": self.largest_component,
             "gold_pairs_in_two_splits": self.pairs_in_two_splits,
             "items_dropped_straddling_splits": 0,  # components keep every item whole: none is dropped
+            "graph_rows_read": self.graph_rows_read,
         }
         metadata.update({f"items_{t}": n for t, n in self.per_type.items()})
         metadata.update({f"split_{s}": n for s, n in self.per_split.items()})
@@ -1086,11 +1273,16 @@ def generate_qa_items(
     if len(splits) != len(SPLIT_NAMES) or min(splits) < 0 or abs(sum(splits) - 1.0) > 1e-9:
         raise ValueError(f"splits must be three non-negative fractions summing to 1, got {tuple(splits)}")
     counts = _per_type_counts(per_type)
-    graph = _load_graph(warehouse, limits)
-    drafts: list[_Draft] = []
-    for question_type in QUESTION_TYPES:
-        rng = random.Random(f"{seed}:{question_type}")
-        drafts += _take_unique(_DRAFTERS[question_type](graph, rng), counts[question_type])
+    with warehouse.connect(read_only=True) as con:
+        graph = _Graph(con, limits)
+        drafts: list[_Draft] = []
+        for question_type in QUESTION_TYPES:
+            rng = random.Random(f"{seed}:{question_type}")
+            drafts += _take_unique(_DRAFTERS[question_type](graph, rng), counts[question_type])
+        # Names for the gold path texts, read while the connection is open.
+        graph._load_concepts({c for draft in drafts for edge in draft.path for c in edge[::2]}
+                             | {c for draft in drafts for c in draft.seed_cuis})
+        rows_read = graph.rows_read
     items, components = _finish(drafts, graph, warehouse, splits)
     leaked = gold_pairs_in_several_splits(items)
     if leaked:  # cannot happen by construction; never publish a leaking benchmark if it ever does
@@ -1118,6 +1310,7 @@ def generate_qa_items(
         fact_components=len(component_sizes),
         largest_component=max(component_sizes.values(), default=0),
         pairs_in_two_splits=len(leaked),
+        graph_rows_read=rows_read,
     )
     log.info("qa items: %d (%s) in %.1fs", stats.items, stats.per_type, stats.seconds)
     return stats

@@ -73,12 +73,18 @@ class _Graph:
         self.neighbours: dict[str, set[str]] = defaultdict(set)
         self.out: dict[tuple[str, str], set[str]] = defaultdict(set)  # (src, relation) -> dsts
         self.read: set[str] = set()
+        self._words: dict[str, set[str]] = {}
         with warehouse.connect(read_only=True) as con:
             self.concepts = con.execute("SELECT count(*) FROM kg.kg_nodes").fetchone()[0]
-            self.tui = dict(con.execute("SELECT cui, tuis[1] FROM kg.kg_nodes WHERE len(tuis) > 0").fetchall())
-            self.names = dict(con.execute("SELECT cui, preferred_name FROM kg.kg_nodes").fetchall())
             self._read(con, {c for item in items for c in (*item.seeds, *item.option_cuis)})
             self._read(con, {n for item in items if item.hops > 1 for s in item.seeds for n in self.neighbours[s]})
+            # Names and types of the concepts read (every endpoint of the edges above), not of the whole graph.
+            seen = sorted(set(self.neighbours) | {c for item in items for c in (*item.seeds, *item.option_cuis)})
+            con.register("shortcut_concepts", pa.table({"cui": pa.array(seen, pa.string())}))
+            rows = con.execute("SELECT n.cui, n.preferred_name, n.tuis[1], len(n.tuis) > 0 FROM kg.kg_nodes n "
+                               "WHERE n.cui IN (SELECT cui FROM shortcut_concepts)").fetchall()
+            self.names = {cui: name for cui, name, _, _ in rows}
+            self.tui = {cui: tui for cui, _, tui, typed in rows if typed}
 
     def _read(self, con, cuis: set[str]) -> None:
         wanted = sorted(cuis - self.read)
@@ -92,6 +98,14 @@ class _Graph:
             self.neighbours[dst].add(src)
             self.out[(src, relation)].add(dst)
         self.read |= set(wanted)
+
+    def words(self, cui: str) -> set[str]:
+        """`content_words` of a concept's preferred name, once per concept (2-hop neighbourhoods through a hub
+        hold tens of thousands of concepts, met again by many items)."""
+        words = self._words.get(cui)
+        if words is None:
+            words = self._words[cui] = content_words(self.names.get(cui) or "")
+        return words
 
     def within(self, cui: str, hops: int) -> set[str]:
         reached, frontier = set(), {cui}
@@ -175,7 +189,7 @@ def _short_scores(item: _Item, graph: _Graph, majority: str | None) -> dict[str,
     """Short answer: expected exact-match accuracy of each rule on one item."""
     near = graph.near(item.seeds, item.hops)
     question = content_words(item.question)
-    overlap = {c: float(len(content_words(graph.names.get(c, "")) & question)) for c in near}
+    overlap = {c: float(len(graph.words(c) & question)) for c in near}
     if len(item.seeds) > 1:  # an intersection: the answer -> each entity by its relation
         reached = set.intersection(*(
             {c for c in graph.neighbours.get(seed, ()) if seed in graph.out.get((c, relation), ())}

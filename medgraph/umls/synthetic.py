@@ -49,14 +49,31 @@ def write_synthetic_release(out_dir: str | Path, mrrel_rows: int, seed: int = 0)
                'concept ' || md5(CAST(i AS VARCHAR)), CAST([{', '.join(map(str, _SRLS))}][1 + i % {len(_SRLS)}] AS VARCHAR),
                CASE WHEN i % 50 = 0 THEN 'O' ELSE 'N' END, '256', ''
         FROM range({n_atoms}) t(i)""", MRCONSO, out)
+    # Relations come in inverse pairs (row 2j and 2j+1), as UMLS lists them. Family j % 4: a CHD/PAR
+    # hierarchy that is a DAG of depth ~log3(concepts) (a parent's index is about a third of its child's),
+    # and three associative relations whose objects are drawn with a heavy tail (index n * u^3: a few
+    # low-index concepts are hubs with thousands of neighbours, most have a handful).
     _copy_rrf(con, f"""
-        SELECT {cui.format(expr=f'hash(i) % {n_concepts}')}, {aui.format(expr=f'i % {n_atoms}')}, 'AUI',
-               ['PAR', 'CHD', 'RO', 'RB', 'RN', 'SY'][1 + i % 6], {cui.format(expr=f'hash(i + 1) % {n_concepts}')},
+        WITH pairs AS (
+            SELECT i, i // 2 AS j, i % 2 = 1 AS reverse, (i // 2) % 4 AS family,
+                   hash(i // 2) % {n_concepts} AS a,
+                   CASE WHEN (i // 2) % 4 = 0
+                        THEN (hash(i // 2) % {n_concepts}) // 3 + hash(i // 2 + 7) % 2
+                        ELSE CAST(floor({n_concepts} * pow((hash(i // 2 + 1) % 1000003) / 1000003.0, 3)) AS BIGINT)
+                   END AS b
+            FROM range({mrrel_rows}) t(i))
+        SELECT {cui.format(expr='CASE WHEN family = 0 THEN (CASE WHEN reverse THEN a ELSE b END) '
+                               'ELSE (CASE WHEN reverse THEN b ELSE a END) END')},
+               {aui.format(expr=f'i % {n_atoms}')}, 'AUI',
+               CASE WHEN family = 0 THEN (CASE WHEN reverse THEN 'PAR' ELSE 'CHD' END) ELSE 'RO' END,
+               {cui.format(expr='CASE WHEN family = 0 THEN (CASE WHEN reverse THEN b ELSE a END) '
+                               'ELSE (CASE WHEN reverse THEN a ELSE b END) END')},
                {aui.format(expr=f'(i * 7) % {n_atoms}')}, 'AUI',
-               ['inverse_isa', 'isa', 'may_treat', 'has_finding_site', 'has_part', ''][1 + i % 6],
-               'R' || lpad(CAST(i AS VARCHAR), 9, '0'), '', {sab_list}[1 + (i // 3) % {len(_SABS)}],
-               {sab_list}[1 + (i // 3) % {len(_SABS)}], '', 'Y', CASE WHEN i % 97 = 0 THEN 'E' ELSE 'N' END, '', ''
-        FROM range({mrrel_rows}) t(i)""", MRREL, out)
+               [['isa', 'inverse_isa'], ['may_treat', 'may_be_treated_by'], ['has_finding_site', 'finding_site_of'],
+                ['has_part', 'part_of']][1 + family][1 + CAST(reverse AS INTEGER)],
+               'R' || lpad(CAST(i AS VARCHAR), 9, '0'), '', {sab_list}[1 + j % {len(_SABS)}],
+               {sab_list}[1 + j % {len(_SABS)}], '', 'Y', CASE WHEN j % 97 = 0 THEN 'E' ELSE 'N' END, '', ''
+        FROM pairs""", MRREL, out)
     _copy_rrf(con, f"""
         SELECT {cui.format(expr='i')}, ['T047', 'T184', 'T121', 'T028'][1 + i % 4], 'B2.2.1.2.1',
                ['Disease or Syndrome', 'Sign or Symptom', 'Pharmacologic Substance', 'Gene or Genome'][1 + i % 4],

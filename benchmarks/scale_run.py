@@ -1,0 +1,136 @@
+"""A scale run anyone can repeat (issue 27): synthetic UMLS releases of given sizes, every CPU data asset
+materialized in a fresh home, one measured step per asset group.
+
+    .venv/bin/python benchmarks/scale_run.py --mrrel-rows 1000000 2000000 --work-dir /tmp/scale
+
+For each size: writes `write_synthetic_release(<work-dir>/r<rows>/release, rows)`, then runs each step as
+its own child process (`dg launch -m definitions --assets ...` with MEDGRAPH_PROFILE=full, MEDGRAPH_UMLS_DIR
+and a fresh MEDGRAPH_HOME) and records its wall time, the child's peak RSS (`os.wait4`'s ru_maxrss), the
+home's size on disk after it and the rows of the tables it wrote. Prints one table per size, the growth
+exponent of time and memory between consecutive sizes (log ratio over log ratio of rows: 1.0 is linear),
+and writes everything to <work-dir>/scale_run.json. Embeddings and the GPU assets are not steps (yet).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import duckdb
+
+ROOT = Path(__file__).resolve().parents[1]
+PYTHON = sys.executable
+DG = str(Path(PYTHON).parent / "dg")
+
+# (step, asset selection, tables whose rows it reports)
+STEPS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
+    ("umls", "group:umls", ("umls.mrconso", "umls.mrrel", "umls.mrsty", "umls.mrdef")),
+    ("kg", "group:kg_staging or group:kg", ("kg.kg_nodes", "kg.kg_edges")),
+    ("text", 'key:"text/corpus_chunks" or key:"kg/kg_chunk_mentions" or key:"kg/kg_chunk_links"',
+     ("text.corpus_chunks", "kg.kg_chunk_mentions", "kg.kg_chunk_links")),
+    ("qa", 'key:"qa/qa_items"', ("qa.qa_items",)),
+)
+
+
+@dataclass
+class Step:
+    rows_in: int  # MRREL rows of the release
+    step: str
+    seconds: float
+    peak_rss_mb: float
+    disk_mb: float
+    rows: dict[str, int]
+    returncode: int
+
+
+def measured(command: list[str], env: dict[str, str], log: Path) -> tuple[float, float, int]:
+    """Run `command` as a child; its wall seconds, peak RSS (MB, the child's own and its children's) and rc."""
+    started = time.perf_counter()
+    with open(log, "w") as out:
+        child = subprocess.Popen(command, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
+        _, status, usage = os.wait4(child.pid, 0)
+    child.returncode = os.waitstatus_to_exitcode(status)
+    # ru_maxrss of wait4 is the largest of the child and its waited-for descendants (KiB on Linux).
+    return time.perf_counter() - started, usage.ru_maxrss / 1024, child.returncode
+
+
+def disk_mb(path: Path) -> float:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file()) / 2**20 if path.exists() else 0.0
+
+
+def table_rows(home: Path, tables: tuple[str, ...]) -> dict[str, int]:
+    rows = {}
+    warehouse = home / "warehouse.duckdb"
+    if not warehouse.exists():
+        return rows
+    with duckdb.connect(str(warehouse), read_only=True) as con:
+        for table in tables:
+            try:
+                rows[table] = con.execute(f"SELECT count(*) FROM {table}").fetchone()[0]
+            except duckdb.Error:
+                rows[table] = -1  # not built
+    return rows
+
+
+def run_size(rows_in: int, workdir: Path) -> list[Step]:
+    base = workdir / f"r{rows_in}"
+    shutil.rmtree(base, ignore_errors=True)
+    base.mkdir(parents=True)
+    release, home = base / "release", base / "home"
+    env = {**os.environ, "MEDGRAPH_HOME": str(home), "MEDGRAPH_UMLS_DIR": str(release), "MEDGRAPH_PROFILE": "full"}
+    steps = []
+    seconds, rss, rc = measured(
+        [PYTHON, "-c", (f"from medgraph.umls.synthetic import write_synthetic_release as w; "
+                        f"w({str(release)!r}, {rows_in})")], env, base / "release.log")
+    steps.append(Step(rows_in, "release", seconds, rss, disk_mb(release), {}, rc))
+    for name, selection, tables in STEPS:
+        seconds, rss, rc = measured([DG, "launch", "-m", "definitions", "--assets", selection], env,
+                                    base / f"{name}.log")
+        steps.append(Step(rows_in, name, seconds, rss, disk_mb(home), table_rows(home, tables), rc))
+        print(f"{rows_in:>11,} {name:<8} {seconds:8.1f}s {rss:8.0f} MB  disk {steps[-1].disk_mb:8.0f} MB  rc {rc}  "
+              f"{steps[-1].rows}", flush=True)
+        if rc != 0:
+            print(f"  step {name} failed: see {base / f'{name}.log'}", flush=True)
+    return steps
+
+
+def exponents(steps: list[Step]) -> list[dict[str, object]]:
+    """Growth exponent of seconds and peak RSS between consecutive sizes, per step."""
+    by_step: dict[str, list[Step]] = {}
+    for step in steps:
+        by_step.setdefault(step.step, []).append(step)
+    out = []
+    for name, runs in by_step.items():
+        for small, large in itertools.pairwise(runs):
+            scale = math.log(large.rows_in / small.rows_in)
+            out.append({"step": name, "from": small.rows_in, "to": large.rows_in,
+                        "time_exponent": round(math.log(max(large.seconds, 1e-3) / max(small.seconds, 1e-3)) / scale, 2),
+                        "rss_exponent": round(math.log(large.peak_rss_mb / small.peak_rss_mb) / scale, 2)})
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--mrrel-rows", type=int, nargs="+", required=True)
+    parser.add_argument("--work-dir", type=Path, default=ROOT / "benchmarks" / "_work" / "scale_run")
+    args = parser.parse_args()
+    steps = [step for rows_in in sorted(args.mrrel_rows) for step in run_size(rows_in, args.work_dir)]
+    growth = exponents(steps)
+    for row in growth:
+        print(f"{row['step']:<8} {row['from']:,} -> {row['to']:,}: time x^{row['time_exponent']}, "
+              f"peak RSS x^{row['rss_exponent']}")
+    (args.work_dir / "scale_run.json").write_text(json.dumps(
+        {"steps": [asdict(s) for s in steps], "growth": growth}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
