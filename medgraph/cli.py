@@ -71,19 +71,33 @@ def _cmd_status(args: argparse.Namespace) -> int:
     if not warehouse.path.exists():
         print("                   (not built yet: run `make demo`)")
         return 1
+    import duckdb
+
+    unreadable = 0
     with warehouse.connect(read_only=True) as con:
         tables = con.execute(
             "SELECT table_schema, table_name FROM information_schema.tables "
             "WHERE table_schema NOT IN ('information_schema', 'pg_catalog') AND table_schema NOT LIKE 'fts_%' "
             "ORDER BY 1, 2").fetchall()
         for schema, table in tables:
-            rows = con.execute(f'SELECT count(*) FROM "{schema}"."{table}"').fetchone()[0]
+            try:
+                rows = con.execute(f'SELECT count(*) FROM "{schema}"."{table}"').fetchone()[0]
+            except duckdb.Error as error:  # a damaged or missing lake file: say which, and list the others
+                unreadable += 1
+                reason = str(error).strip().splitlines()[0]
+                print(f"  {schema + '.' + table:<40}{'unreadable':>12}: {redact_uri(reason)}")
+                continue
             print(f"  {schema + '.' + table:<40}{rows:>12,} rows")
     print(f"lake               {redact_uri(settings.lake_location)}")
     if settings.s3_endpoint_url:
         print(f"S3 endpoint        {redact_uri(settings.s3_endpoint_url)}")
     print(f"MLflow             {redact_uri(settings.mlflow_tracking_uri)}")
     print("Dagster UI         make ui   (then open http://127.0.0.1:3000)")
+    if unreadable:
+        print(f"medgraph status: {unreadable} table{' is' if unreadable == 1 else 's are'} unreadable (above): restore "
+              "the file named, or materialize the asset that writes it again (e.g. `dg launch -m definitions "
+              "--assets umls/mrdef`); the other tables are fine", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -201,18 +215,24 @@ def _checked_value(key: str, raw: str, value: object, kind: object) -> object:
     return value
 
 
-def _champion_graph_tokenizer(llm: ChatModel, warehouse: Warehouse, settings: Settings) -> GraphTokenEncoder | None:
-    """HIIM's graph tokenizer when a projector for this LLM is registered; None means text-only."""
+def _champion_graph_tokenizer(llm: ChatModel, warehouse: Warehouse,
+                              settings: Settings) -> tuple[GraphTokenEncoder | None, str]:
+    """HIIM's graph tokenizer when a projector for this LLM is registered, else None (text-only) and why: not
+    registered, for another LLM, or registered but unreadable (said on stderr too, with what to do)."""
     try:
-        from medgraph.gnn.graph_tokens import load_champion_graph_tokenizer
-        from medgraph.tracking import Tracking
+        from medgraph.gnn.graph_tokens import champion_graph_tokenizer
+        from medgraph.tracking import Tracking, limit_registry_waits
     except ImportError:
-        return None
+        return None, "HIIM is not installed"
+    limit_registry_waits()
     try:
-        return load_champion_graph_tokenizer(llm, warehouse, Tracking.from_settings(settings))
+        return champion_graph_tokenizer(llm, warehouse, Tracking.from_settings(settings))
     except Exception as error:  # noqa: BLE001 - a broken registry must not stop a question being answered
-        print(f"medgraph ask: HIIM graph tokens unavailable ({error}); answering text-only", file=sys.stderr)
-        return None
+        from medgraph.settings import redact_uri
+
+        reason = f"the HIIM projector is registered but unreadable: {redact_uri(str(error))}"
+        print(f"medgraph ask: HIIM graph tokens unavailable, answering text-only: {reason}", file=sys.stderr)
+        return None, reason
 
 
 def _print_trace(result: MethodResult) -> None:
@@ -417,8 +437,8 @@ def _answer(args: argparse.Namespace, item: Any, config: object, deadline: float
         llm.deadline = deadline
         llm.timeout_s = min(llm.timeout_s, args.timeout)
     try:
-        graph_tokenizer = (_champion_graph_tokenizer(llm, warehouse, settings)
-                           if method_of(args.method) == "a2rag" else None)
+        graph_tokenizer, no_tokenizer = (_champion_graph_tokenizer(llm, warehouse, settings)
+                                         if method_of(args.method) == "a2rag" else (None, ""))
         encoder = _LazyEncoder(lambda: load_encoder(settings.encoder))
         stage[0] = f"answering with {args.method} (LLM {redact_uri(args.llm or settings.llm)})"
         with Retriever(warehouse, encoder) as retriever:
@@ -426,6 +446,8 @@ def _answer(args: argparse.Namespace, item: Any, config: object, deadline: float
             (result,) = run_method(args.method, [item], retriever, model, config, graph_tokenizer=graph_tokenizer)
     finally:
         llm.close()
+    if no_tokenizer and result.stats.get("hiim") == "text-only":
+        result.stats["hiim_reason"] = no_tokenizer  # A2RAG says only that it had none; this says why
     if args.json:
         payload = {k: v for k, v in result.as_dict().items() if k not in ("answer", "correct", "f1")}
         print(json.dumps(payload, ensure_ascii=False, indent=1, default=str))
@@ -445,9 +467,10 @@ def _champion_policy(settings: Settings, method: str) -> tuple[ChatModel | None,
     base LLM, and the Graph-R1 environment it was trained in; says which policy on stderr."""
     try:
         from medgraph.rl.policy import choose_policy, load_chosen_policy, policy_environment
-        from medgraph.tracking import Tracking
+        from medgraph.tracking import Tracking, limit_registry_waits
     except ImportError:
         return None, {}
+    limit_registry_waits()
     tracking = Tracking.from_settings(settings)
     choice = choose_policy(method, tracking)
     if choice.source is None:  # e.g. graph-r1-sft-only without a registered SFT policy: never run the base LLM instead
