@@ -330,14 +330,20 @@ def _time_limit(seconds: float) -> Iterator[None]:
 
 
 class _LazyEncoder:
-    """The encoder, loaded on first use: a method without dense retrieval (cot) never waits for it."""
+    """The encoder, loaded on first use: a method without dense retrieval (cot) never waits for it. While it
+    loads, `stage[0]` says so (the time limit's message names what was running)."""
 
-    def __init__(self, load: Any):
-        self._load, self._encoder = load, None
+    def __init__(self, load: Any, loading: str = "", stage: list[str] | None = None):
+        self._load, self._encoder, self._loading, self._stage = load, None, loading, stage
 
     def __getattr__(self, name: str) -> Any:
         if self._encoder is None:
+            previous = self._stage[0] if self._stage else None
+            if self._stage:
+                self._stage[0] = self._loading
             self._encoder = self._load()
+            if self._stage:
+                self._stage[0] = previous
         return getattr(self._encoder, name)
 
 
@@ -423,23 +429,30 @@ def _answer(args: argparse.Namespace, item: Any, config: object, deadline: float
     if not warehouse.path.exists():
         print(f"no warehouse at {warehouse.path}: build the platform first (`make demo`)", file=sys.stderr)
         return 1
-    stage[0] = f"loading the LLM ({redact_uri(args.llm or settings.llm)})"
+    # `stage` says what runs now: the time limit's message names it.
+    registry = redact_uri(settings.mlflow_tracking_uri)
     llm = None
     if method_of(args.method) == "graph-r1" and args.llm is None:
         # As evaluation picks it (GRPO, else SFT, else the base LLM), in the environment it was trained in;
         # --set values still win.
-        llm, environment = _champion_policy(settings, args.method)
+        stage[0] = f"reading the model registry ({registry}) for the Graph-R1 policy"
+        llm, environment = _champion_policy(settings, args.method, stage)
         given = {pair.split("=", 1)[0].strip() for pair in args.set}
         config = dataclasses.replace(config, **{k: v for k, v in environment.items() if k not in given})
-    llm = llm or load_llm(args.llm or settings.llm, home=settings.home)
+    if llm is None:
+        stage[0] = f"loading the LLM ({redact_uri(args.llm or settings.llm)})"
+        llm = load_llm(args.llm or settings.llm, home=settings.home)
     if isinstance(llm, OpenAIChatModel) and deadline is not None:
         # Each request waits at most until the call's deadline (not 5 x 120 s of read timeouts and retries).
         llm.deadline = deadline
         llm.timeout_s = min(llm.timeout_s, args.timeout)
     try:
-        graph_tokenizer, no_tokenizer = (_champion_graph_tokenizer(llm, warehouse, settings)
-                                         if method_of(args.method) == "a2rag" else (None, ""))
-        encoder = _LazyEncoder(lambda: load_encoder(settings.encoder))
+        graph_tokenizer, no_tokenizer = None, ""
+        if method_of(args.method) == "a2rag":
+            stage[0] = f"reading the model registry ({registry}) and loading the HIIM projector"
+            graph_tokenizer, no_tokenizer = _champion_graph_tokenizer(llm, warehouse, settings)
+        encoder = _LazyEncoder(lambda: load_encoder(settings.encoder), f"loading the encoder ({settings.encoder})",
+                               stage)
         stage[0] = f"answering with {args.method} (LLM {redact_uri(args.llm or settings.llm)})"
         with Retriever(warehouse, encoder) as retriever:
             model = _ClosesWarehouseWhileGenerating(llm, retriever)
@@ -462,9 +475,10 @@ def _answer(args: argparse.Namespace, item: Any, config: object, deadline: float
     return 0
 
 
-def _champion_policy(settings: Settings, method: str) -> tuple[ChatModel | None, dict[str, object]]:
+def _champion_policy(settings: Settings, method: str,
+                     stage: list[str] | None = None) -> tuple[ChatModel | None, dict[str, object]]:
     """The policy evaluation would run `method` with (the GRPO champion, else the SFT champion), or None for the
-    base LLM, and the Graph-R1 environment it was trained in; says which policy on stderr."""
+    base LLM, and the Graph-R1 environment it was trained in; says which policy on stderr (and in `stage`)."""
     try:
         from medgraph.rl.policy import choose_policy, load_chosen_policy, policy_environment
         from medgraph.tracking import Tracking, limit_registry_waits
@@ -477,6 +491,8 @@ def _champion_policy(settings: Settings, method: str) -> tuple[ChatModel | None,
         print(f"medgraph ask: {method} {choice.description}", file=sys.stderr)
         raise SystemExit(2)
     print(f"policy: {choice.description}", file=sys.stderr)
+    if stage is not None and choice.model_uri is not None:
+        stage[0] = f"loading the Graph-R1 policy {choice.description}"
     return load_chosen_policy(choice, tracking), policy_environment(choice.model_uri, tracking)
 
 
