@@ -71,19 +71,33 @@ def _cmd_status(args: argparse.Namespace) -> int:
     if not warehouse.path.exists():
         print("                   (not built yet: run `make demo`)")
         return 1
+    import duckdb
+
+    unreadable = 0
     with warehouse.connect(read_only=True) as con:
         tables = con.execute(
             "SELECT table_schema, table_name FROM information_schema.tables "
             "WHERE table_schema NOT IN ('information_schema', 'pg_catalog') AND table_schema NOT LIKE 'fts_%' "
             "ORDER BY 1, 2").fetchall()
         for schema, table in tables:
-            rows = con.execute(f'SELECT count(*) FROM "{schema}"."{table}"').fetchone()[0]
+            try:
+                rows = con.execute(f'SELECT count(*) FROM "{schema}"."{table}"').fetchone()[0]
+            except duckdb.Error as error:  # a damaged or missing lake file: say which, and list the others
+                unreadable += 1
+                reason = str(error).strip().splitlines()[0]
+                print(f"  {schema + '.' + table:<40}{'unreadable':>12}: {redact_uri(reason)}")
+                continue
             print(f"  {schema + '.' + table:<40}{rows:>12,} rows")
     print(f"lake               {redact_uri(settings.lake_location)}")
     if settings.s3_endpoint_url:
         print(f"S3 endpoint        {redact_uri(settings.s3_endpoint_url)}")
     print(f"MLflow             {redact_uri(settings.mlflow_tracking_uri)}")
     print("Dagster UI         make ui   (then open http://127.0.0.1:3000)")
+    if unreadable:
+        print(f"medgraph status: {unreadable} table{' is' if unreadable == 1 else 's are'} unreadable (above): restore "
+              "the file named, or materialize the asset that writes it again (e.g. `dg launch -m definitions "
+              "--assets umls/mrdef`); the other tables are fine", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -201,18 +215,24 @@ def _checked_value(key: str, raw: str, value: object, kind: object) -> object:
     return value
 
 
-def _champion_graph_tokenizer(llm: ChatModel, warehouse: Warehouse, settings: Settings) -> GraphTokenEncoder | None:
-    """HIIM's graph tokenizer when a projector for this LLM is registered; None means text-only."""
+def _champion_graph_tokenizer(llm: ChatModel, warehouse: Warehouse,
+                              settings: Settings) -> tuple[GraphTokenEncoder | None, str]:
+    """HIIM's graph tokenizer when a projector for this LLM is registered, else None (text-only) and why: not
+    registered, for another LLM, or registered but unreadable (said on stderr too, with what to do)."""
     try:
-        from medgraph.gnn.graph_tokens import load_champion_graph_tokenizer
-        from medgraph.tracking import Tracking
+        from medgraph.gnn.graph_tokens import champion_graph_tokenizer
+        from medgraph.tracking import Tracking, limit_registry_waits
     except ImportError:
-        return None
+        return None, "HIIM is not installed"
+    limit_registry_waits()
     try:
-        return load_champion_graph_tokenizer(llm, warehouse, Tracking.from_settings(settings))
+        return champion_graph_tokenizer(llm, warehouse, Tracking.from_settings(settings))
     except Exception as error:  # noqa: BLE001 - a broken registry must not stop a question being answered
-        print(f"medgraph ask: HIIM graph tokens unavailable ({error}); answering text-only", file=sys.stderr)
-        return None
+        from medgraph.settings import redact_uri
+
+        reason = f"the HIIM projector is registered but unreadable: {redact_uri(str(error))}"
+        print(f"medgraph ask: HIIM graph tokens unavailable, answering text-only: {reason}", file=sys.stderr)
+        return None, reason
 
 
 def _print_trace(result: MethodResult) -> None:
@@ -310,14 +330,20 @@ def _time_limit(seconds: float) -> Iterator[None]:
 
 
 class _LazyEncoder:
-    """The encoder, loaded on first use: a method without dense retrieval (cot) never waits for it."""
+    """The encoder, loaded on first use: a method without dense retrieval (cot) never waits for it. While it
+    loads, `stage[0]` says so (the time limit's message names what was running)."""
 
-    def __init__(self, load: Any):
-        self._load, self._encoder = load, None
+    def __init__(self, load: Any, loading: str = "", stage: list[str] | None = None):
+        self._load, self._encoder, self._loading, self._stage = load, None, loading, stage
 
     def __getattr__(self, name: str) -> Any:
         if self._encoder is None:
+            previous = self._stage[0] if self._stage else None
+            if self._stage:
+                self._stage[0] = self._loading
             self._encoder = self._load()
+            if self._stage:
+                self._stage[0] = previous
         return getattr(self._encoder, name)
 
 
@@ -403,29 +429,38 @@ def _answer(args: argparse.Namespace, item: Any, config: object, deadline: float
     if not warehouse.path.exists():
         print(f"no warehouse at {warehouse.path}: build the platform first (`make demo`)", file=sys.stderr)
         return 1
-    stage[0] = f"loading the LLM ({redact_uri(args.llm or settings.llm)})"
+    # `stage` says what runs now: the time limit's message names it.
+    registry = redact_uri(settings.mlflow_tracking_uri)
     llm = None
     if method_of(args.method) == "graph-r1" and args.llm is None:
         # As evaluation picks it (GRPO, else SFT, else the base LLM), in the environment it was trained in;
         # --set values still win.
-        llm, environment = _champion_policy(settings, args.method)
+        stage[0] = f"reading the model registry ({registry}) for the Graph-R1 policy"
+        llm, environment = _champion_policy(settings, args.method, stage)
         given = {pair.split("=", 1)[0].strip() for pair in args.set}
         config = dataclasses.replace(config, **{k: v for k, v in environment.items() if k not in given})
-    llm = llm or load_llm(args.llm or settings.llm, home=settings.home)
+    if llm is None:
+        stage[0] = f"loading the LLM ({redact_uri(args.llm or settings.llm)})"
+        llm = load_llm(args.llm or settings.llm, home=settings.home)
     if isinstance(llm, OpenAIChatModel) and deadline is not None:
         # Each request waits at most until the call's deadline (not 5 x 120 s of read timeouts and retries).
         llm.deadline = deadline
         llm.timeout_s = min(llm.timeout_s, args.timeout)
     try:
-        graph_tokenizer = (_champion_graph_tokenizer(llm, warehouse, settings)
-                           if method_of(args.method) == "a2rag" else None)
-        encoder = _LazyEncoder(lambda: load_encoder(settings.encoder))
+        graph_tokenizer, no_tokenizer = None, ""
+        if method_of(args.method) == "a2rag":
+            stage[0] = f"reading the model registry ({registry}) and loading the HIIM projector"
+            graph_tokenizer, no_tokenizer = _champion_graph_tokenizer(llm, warehouse, settings)
+        encoder = _LazyEncoder(lambda: load_encoder(settings.encoder), f"loading the encoder ({settings.encoder})",
+                               stage)
         stage[0] = f"answering with {args.method} (LLM {redact_uri(args.llm or settings.llm)})"
         with Retriever(warehouse, encoder) as retriever:
             model = _ClosesWarehouseWhileGenerating(llm, retriever)
             (result,) = run_method(args.method, [item], retriever, model, config, graph_tokenizer=graph_tokenizer)
     finally:
         llm.close()
+    if no_tokenizer and result.stats.get("hiim") == "text-only":
+        result.stats["hiim_reason"] = no_tokenizer  # A2RAG says only that it had none; this says why
     if args.json:
         payload = {k: v for k, v in result.as_dict().items() if k not in ("answer", "correct", "f1")}
         print(json.dumps(payload, ensure_ascii=False, indent=1, default=str))
@@ -440,20 +475,24 @@ def _answer(args: argparse.Namespace, item: Any, config: object, deadline: float
     return 0
 
 
-def _champion_policy(settings: Settings, method: str) -> tuple[ChatModel | None, dict[str, object]]:
+def _champion_policy(settings: Settings, method: str,
+                     stage: list[str] | None = None) -> tuple[ChatModel | None, dict[str, object]]:
     """The policy evaluation would run `method` with (the GRPO champion, else the SFT champion), or None for the
-    base LLM, and the Graph-R1 environment it was trained in; says which policy on stderr."""
+    base LLM, and the Graph-R1 environment it was trained in; says which policy on stderr (and in `stage`)."""
     try:
         from medgraph.rl.policy import choose_policy, load_chosen_policy, policy_environment
-        from medgraph.tracking import Tracking
+        from medgraph.tracking import Tracking, limit_registry_waits
     except ImportError:
         return None, {}
+    limit_registry_waits()
     tracking = Tracking.from_settings(settings)
     choice = choose_policy(method, tracking)
     if choice.source is None:  # e.g. graph-r1-sft-only without a registered SFT policy: never run the base LLM instead
         print(f"medgraph ask: {method} {choice.description}", file=sys.stderr)
         raise SystemExit(2)
     print(f"policy: {choice.description}", file=sys.stderr)
+    if stage is not None and choice.model_uri is not None:
+        stage[0] = f"loading the Graph-R1 policy {choice.description}"
     return load_chosen_policy(choice, tracking), policy_environment(choice.model_uri, tracking)
 
 

@@ -45,6 +45,12 @@ log = logging.getLogger(__name__)
 # DuckDB allows one writing process per database file; other processes (e.g.
 # parallel Dagster steps) wait for the lock instead of failing outright.
 _LOCK_WAIT_SECONDS = 120.0
+# Private re-pointed copies of read-only warehouse files, by (path, size, mtime): see `_connect_repointed_copy`.
+_repointed_copies: dict[tuple[str, int, int], Path] = {}
+
+
+class WarehouseNotWritableError(RuntimeError):
+    """The warehouse file must be changed (its views re-pointed) but cannot be written."""
 
 # A string literal in the SQL text DuckDB keeps for a view ('' is an escaped quote).
 _SQL_STRING = re.compile(r"'((?:[^']|'')*)'")
@@ -156,7 +162,11 @@ class Lake:
         try:
             os.link(path, snapshot)
         except OSError:  # a filesystem without hard links
-            shutil.copyfile(path, snapshot)
+            try:
+                shutil.copyfile(path, snapshot)
+            except OSError:  # a lake that cannot be written cannot be republished either: read the file itself
+                yield path
+                return
         try:
             yield snapshot
         finally:
@@ -227,14 +237,18 @@ class Warehouse:
         process uses the same configuration, as DuckDB requires for one database file.
 
         Views still reading another local lake (the home was moved or copied) are re-pointed at the
-        configured lake first; a read-only caller gets a short write connection for that."""
+        configured lake first; a read-only caller gets a short write connection for that, or, when the
+        warehouse file cannot be written (a read-only home), a connection to a private re-pointed copy of it."""
         con = self._connect(read_only)
         try:
             if self.lake.is_local and lake_views_to_repoint(con, self._lake_root):
                 if read_only:
                     con.close()
-                    self.repoint_lake_views()
-                    con = self._connect(read_only)
+                    try:
+                        self.repoint_lake_views()
+                        con = self._connect(read_only)
+                    except WarehouseNotWritableError:
+                        con = self._connect_repointed_copy()
                 else:
                     _repoint_in_transaction(con, self._lake_root)
             self.lake.configure(con)  # an S3 lake: httpfs and credentials, so the views over s3:// resolve
@@ -262,14 +276,43 @@ class Warehouse:
             return []  # views over an S3 lake do not depend on where MEDGRAPH_HOME is
         try:
             con = self._connect(read_only=False)
-        except duckdb.Error as error:
-            raise RuntimeError(
+        except (duckdb.Error, OSError) as error:
+            raise WarehouseNotWritableError(
                 f"{self.path}: views read files of another lake than {self._lake_root} (the home was moved "
                 f"or copied); re-pointing them needs write access to the warehouse: {error}") from error
         try:
             return _repoint_in_transaction(con, self._lake_root)
         finally:
             con.close()
+
+    def _connect_repointed_copy(self) -> duckdb.DuckDBPyConnection:
+        """A read-only connection to a private copy of the warehouse file whose views read this home's lake:
+        for a moved or copied home that cannot be written. The copy is made once per process and file version
+        (in the temporary directory, removed at exit); nothing is written under MEDGRAPH_HOME."""
+        stat = self.path.stat()
+        key = (str(self.path), stat.st_size, stat.st_mtime_ns)
+        copy = _repointed_copies.get(key)
+        if copy is None:
+            import atexit
+            import tempfile
+
+            scratch = Path(tempfile.mkdtemp(prefix="medgraph-warehouse-"))
+            atexit.register(shutil.rmtree, scratch, True)
+            copy = scratch / self.path.name
+            for suffix in ("", ".wal"):
+                if Path(f"{self.path}{suffix}").exists():
+                    shutil.copy2(f"{self.path}{suffix}", f"{copy}{suffix}")
+            con = duckdb.connect(str(copy), config=self._config())
+            try:
+                moved = _repoint_in_transaction(con, self._lake_root)
+            finally:
+                con.close()
+            log.warning("%s cannot be written and its views read another lake (the home was moved or copied): "
+                        "reading a private copy with %d views re-pointed at %s (%.0f MB, in %s). Open the home once "
+                        "with write access to re-point it for good", self.path, len(moved), self._lake_root,
+                        stat.st_size / 1e6, scratch)
+            _repointed_copies[key] = copy
+        return duckdb.connect(str(copy), read_only=True, config=self._config())
 
     @property
     def _lake_root(self) -> str:

@@ -285,6 +285,32 @@ class _RegistryClient:
         return functools.partial(registry_call, self._tracking_uri, attribute)
 
 
+class ModelUnavailableError(RuntimeError):
+    """A registered model whose files cannot be read (missing, moved, corrupt); the message names the model,
+    its files and what to do."""
+
+
+@dataclass(frozen=True)
+class ModelFiles:
+    """Where a registered (or logged) model's files are, as the registry says and as this process reads them."""
+
+    uri: str  # as asked: models:/<name>@<alias>, models:/<name>/<version>, models:/m-<id>, runs:/<run>/<path>
+    label: str  # e.g. "medgraph-gat v3 (models:/medgraph-gat@champion)"
+    location: str  # the artifact location the registry holds (credentials redacted)
+    path: Path  # a local directory holding the model's MLmodel file
+
+
+def _local_path(location: str) -> Path | None:
+    """The local path of an artifact location (`file://...` or a plain path); None for a remote one."""
+    if location.startswith("file:"):
+        from urllib.parse import unquote, urlparse
+
+        return Path(unquote(urlparse(location).path))
+    if re.match(r"^[A-Za-z][A-Za-z0-9+.-]+:", location):
+        return None
+    return Path(location)
+
+
 def redacted_tags(tags: Mapping[str, object] | None) -> dict[str, str]:
     """MLflow tags with any credentials in URI-like values redacted (tags are shown in the UI and logs)."""
     return {key: redact_uri(str(value)) for key, value in (tags or {}).items()}
@@ -467,3 +493,98 @@ class Tracking:
 
     def model_uri(self, name: str, alias: str = CHAMPION) -> str:
         return f"models:/{name}@{alias}"
+
+    def _artifact_location(self, model_uri: str) -> tuple[str, str, str | None]:
+        """(label, artifact location, experiment id) of a model URI, as the registry holds them."""
+        client = self.client
+        body = model_uri.removeprefix("models:/")
+        label = model_uri
+        if model_uri.startswith("models:/") and not body.startswith("m-"):
+            name, _, version = body.partition("/")
+            name, _, alias = name.partition("@")
+            if not version and not alias:
+                raise ValueError(f"{model_uri}: expected models:/<name>@<alias> or models:/<name>/<version>")
+            try:
+                found = (client.get_model_version(name, version) if version
+                         else client.get_model_version_by_alias(name, alias))
+            except MlflowException as error:
+                if error.error_code in _NOT_FOUND:
+                    raise ModelUnavailableError(f"{model_uri} is not registered in {redact_uri(self.tracking_uri)} "
+                                                f"({error.message})") from None
+                raise
+            label = f"{name} v{found.version}" + (f" ({model_uri})" if alias else "")
+            source = found.source
+        else:
+            source = model_uri
+        if source.startswith("models:/m-"):
+            logged = client.get_logged_model(source.removeprefix("models:/").split("/", 1)[0])
+            return label, logged.artifact_location, logged.experiment_id
+        if source.startswith("runs:/"):
+            run_id, _, path = source.removeprefix("runs:/").partition("/")
+            run = client.get_run(run_id)
+            return label, run.info.artifact_uri.rstrip("/") + ("/" + path if path else ""), run.info.experiment_id
+        return label, source, None
+
+    def _in_this_home(self, location: Path, experiment_id: str | None) -> Path | None:
+        """The same files under this tracking's artifact root, when the registry names another home's: a
+        copied or moved MEDGRAPH_HOME keeps its models under its own `artifacts/<asset>/...`, while its
+        registry still holds the absolute paths of the home they were logged in."""
+        root = _local_path(self.artifact_root) if self.artifact_root else None
+        if root is None or experiment_id is None:
+            return None
+        experiment = self.client.get_experiment(experiment_id)
+        logged_root = _local_path(experiment.artifact_location)
+        if logged_root is None or not experiment.name.startswith("medgraph/"):
+            return None
+        try:
+            relative = location.relative_to(logged_root)
+        except ValueError:
+            return None
+        candidate = root / experiment.name.removeprefix("medgraph/") / relative
+        return candidate if candidate != location else None
+
+    @contextmanager
+    def model_files(self, model_uri: str) -> Iterator[ModelFiles]:
+        """A local directory with the files of a registered or logged model, for reading only: the home's
+        own copy of them, else the folder the registry names, else (remote artifacts) a private temporary
+        download that is deleted afterwards. Nothing is ever written next to the registered artifacts
+        (MLflow's own `models:/` download writes `registered_model_meta` there)."""
+        label, location, experiment_id = self._artifact_location(model_uri)
+        shown = redact_uri(location)
+        local = _local_path(location)
+        if local is not None:
+            own = self._in_this_home(local, experiment_id)
+            path = own if own is not None and (own / "MLmodel").is_file() else local
+            if not (path / "MLmodel").is_file():
+                where = f"{local}" + (f" nor {own}" if own is not None else "")
+                raise ModelUnavailableError(
+                    f"{label}: its files are missing: no MLmodel in {where} (registered at {shown}). Restore that "
+                    f"folder (a copied or moved MEDGRAPH_HOME keeps it under artifacts/), or train and register the "
+                    f"model again")
+            yield ModelFiles(model_uri, label, shown, path)
+            return
+        import tempfile
+
+        with tempfile.TemporaryDirectory(prefix="medgraph-model-") as scratch:
+            try:
+                path = registry_call(self.tracking_uri, mlflow.artifacts.download_artifacts, artifact_uri=location,
+                                     dst_path=scratch, tracking_uri=self.tracking_uri)
+            except RegistryUnavailableError:
+                raise
+            except Exception as error:  # noqa: BLE001 - named with the model and what to do
+                raise ModelUnavailableError(f"{label}: cannot download its files from {shown} "
+                                            f"({redact_uri(str(error))})") from None
+            yield ModelFiles(model_uri, label, shown, Path(path))
+
+    def load_model(self, model_uri: str, load: Any, *, what_to_do: str = "") -> Any:
+        """`load(local_dir)` over `model_files(model_uri)`; a model that cannot be read is a ModelUnavailableError
+        naming the model, its files and what to do (`what_to_do` adds the caller's way around it)."""
+        with self.model_files(model_uri) as files:
+            try:
+                return load(str(files.path))
+            except Exception as error:  # noqa: BLE001 - a raw MlflowException / SafetensorError named nothing
+                hint = f"; {what_to_do}" if what_to_do else ""
+                raise ModelUnavailableError(
+                    f"{files.label}: cannot load {files.path} ({type(error).__name__}: "
+                    f"{redact_uri(str(error))}). Its files are damaged or incomplete: restore them, or train and "
+                    f"register the model again{hint}") from None

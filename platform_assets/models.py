@@ -132,7 +132,7 @@ def hiim_projector(context: dg.AssetExecutionContext, config: ProjectorTrainingC
     chat = llm.load()
     with Retriever(store, encoder.load()) as retriever, mlflow_tracking.start_asset_run(context, PROJECTOR_INPUTS):
         mlflow.log_params({**projector_config.as_dict(), "gat_model_uri": gat_uri, "llm": chat.name})
-        gat = mlflow.pytorch.load_model(gat_uri, map_location="cpu")
+        gat = tracking.load_model(gat_uri, lambda path: mlflow.pytorch.load_model(path, map_location="cpu"))
         train, valid = projector_examples(store, KnowledgeTools.with_home_cache(retriever, warehouse.home),
                                           projector_config, tuned_a2rag_config(Path(warehouse.home)))
         context.log.info(f"projector: {len(train)} train / {len(valid)} validation questions "

@@ -117,6 +117,28 @@ def test_http_requests_end_at_the_deadline_without_a_signal():
         model.close()
 
 
+def test_the_time_limit_names_the_stage_that_was_running(bare_home: Path, monkeypatch: pytest.MonkeyPatch,
+                                                         capsys: pytest.CaptureFixture):
+    """Issue 30, fault 5. A registry that never answers: before, the message said "while loading the LLM"."""
+    import socket
+
+    import medgraph.methods  # noqa: F401 - imported beforehand, so the 3 s are spent waiting on the registry
+
+    with socket.socket() as silent:  # accepts connections (the kernel's backlog), never answers
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(8)
+        uri = f"http://admin:pw@127.0.0.1:{silent.getsockname()[1]}"
+        monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+        started = time.monotonic()
+        code = main(["ask", "Which drug treats hypertension?", "--method", "graph-r1", "--timeout", "3"])
+        elapsed = time.monotonic() - started
+    err = capsys.readouterr().err
+    assert code == 124 and elapsed < 3 + 4, err
+    assert (f"no answer within the time limit of 3 s (--timeout) while reading the model registry "
+            f"(http://admin:***@127.0.0.1:{uri.rsplit(':', 1)[1]}) for the Graph-R1 policy") in err
+    assert "loading the LLM" not in err and ":pw@" not in err
+
+
 def test_timeout_is_validated(no_model: None, capsys: pytest.CaptureFixture):
     assert main(["ask", "x", "--timeout", "-1"]) == 2
     assert "--timeout must be >= 0 seconds" in capsys.readouterr().err

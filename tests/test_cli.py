@@ -60,3 +60,25 @@ def test_ask_picks_the_graph_r1_policy_as_evaluation_does(mlflow_db: Path, tmp_p
     with pytest.raises(SystemExit) as exited:  # an SFT-only run without an SFT policy never runs the base LLM
         _champion_policy(settings, "graph-r1-sft-only")
     assert exited.value.code == 2 and "medgraph-graph-r1-sft@champion" in capsys.readouterr().err
+
+
+def test_status_reports_an_unreadable_table_and_lists_every_other(medgraph_home: Path, warehouse, release_copy: Path,
+                                                                 capsys: pytest.CaptureFixture):
+    """Issue 30, fault 4. Before: one garbage Parquet file made `status` die with a raw `No magic bytes found`
+    and list no table after it."""
+    from conftest import ingest_release
+
+    ingest_release(release_copy, warehouse)
+    tables = ["mrconso", "mrdef", "mrrel", "mrsab", "mrsty"]
+    rows = {table: warehouse.count(f"umls.{table}") for table in tables}
+    [broken] = warehouse.view_files("umls")["mrdef"]
+    Path(broken).write_bytes(b"not a parquet file")
+    assert main(["status"]) == 1
+    captured = capsys.readouterr()
+    lines = captured.out.splitlines()
+    for table in (t for t in tables if t != "mrdef"):
+        assert any(line.startswith(f"  umls.{table} ") and line.endswith(f"{rows[table]:,} rows") for line in lines)
+    [line] = [line for line in lines if line.startswith("  umls.mrdef ")]
+    assert "unreadable" in line and "No magic bytes found" in line and broken in line
+    assert "MLflow" in captured.out  # it went on to the end
+    assert "1 table is unreadable" in captured.err and "materialize" in captured.err

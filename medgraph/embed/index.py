@@ -166,7 +166,11 @@ class VectorIndex:
                 ids.append(batch.column("id"))
         id_column = pa.concat_arrays(ids) if ids else pa.array([], source.schema_arrow.field("id").type)
         built = cls(index, id_column.to_pylist(), kind, version, params)
-        built._publish(lake, target, id_column)
+        try:
+            built._publish(lake, target, id_column)
+        except OSError as error:  # e.g. a read-only copy of a home: the index still serves from memory
+            log.warning("%s.%s: the index was built but could not be published (%s); it is used from memory and "
+                        "built again next time", SCHEMA, target, error)
         log.info("%s.%s: %s index over %d vectors built in %.1fs (version %s)",
                  SCHEMA, target, kind, rows, time.perf_counter() - started, version)
         return built

@@ -43,7 +43,7 @@ from medgraph.llm.hf import autocast
 from medgraph.methods.a2rag import A2RagConfig, answer_conversation, gsrm_items
 from medgraph.methods.tools import Passage
 from medgraph.s3 import S3Lake
-from medgraph.settings import profile_config
+from medgraph.settings import profile_config, redact_uri
 from medgraph.storage import Lake, Warehouse
 from medgraph.tracking import HIIM_PROJECTOR_MODEL, Baseline, Tracking
 
@@ -392,24 +392,41 @@ def log_projector_result(tracking: Tracking, result: ProjectorResult, llm_name: 
 def load_champion_graph_tokenizer(llm: ChatModel, warehouse: Warehouse,
                                   tracking: Tracking) -> GraphTokenizer | None:
     """The champion projector and the GAT it was trained with, for `llm`; None (with the reason
-    logged) when none is registered, or it was trained for another LLM, or `llm` takes no graph tokens."""
+    logged) when none is registered, or it was trained for another LLM, or `llm` takes no graph tokens.
+    A registered projector or GAT whose files cannot be read is a ModelUnavailableError naming it."""
+    return champion_graph_tokenizer(llm, warehouse, tracking)[0]
+
+
+_WITHOUT_HIIM = "or answer without graph tokens (--method a2rag-no-hiim)"
+
+
+def champion_graph_tokenizer(llm: ChatModel, warehouse: Warehouse,
+                             tracking: Tracking) -> tuple[GraphTokenizer | None, str]:
+    """`load_champion_graph_tokenizer` and why there is none ("" when there is one). Models are read from
+    their files without writing anything (`Tracking.load_model`)."""
     import mlflow
 
     if not llm.supports_graph_tokens:
-        log.info("HIIM off: %s takes text only", llm.name)
-        return None
+        return _hiim_off(f"{llm.name} takes text only")
     tracking_uri = tracking.tracking_uri
     if tracking_uri.startswith("sqlite:///") and not Path(tracking_uri.removeprefix("sqlite:///")).exists():
-        log.info("HIIM off: no MLflow database at %s", tracking_uri)  # and do not create one by asking
-        return None
+        # and do not create one by asking
+        return _hiim_off(f"no HIIM projector registered (no MLflow database at {redact_uri(tracking_uri)})")
     name = HIIM_PROJECTOR_MODEL.name
-    if tracking.champion_version(name) is None:
-        log.info("HIIM off: no %s@champion in %s", name, tracking_uri)
-        return None
-    mlflow.set_tracking_uri(tracking_uri)
-    projector = mlflow.pytorch.load_model(tracking.model_uri(name), map_location="cpu")
+    version = tracking.champion_version(name)
+    if version is None:
+        return _hiim_off(f"no HIIM projector registered (no {name}@champion in {redact_uri(tracking_uri)})")
+    projector = tracking.load_model(f"models:/{name}/{version}",
+                                    lambda path: mlflow.pytorch.load_model(path, map_location="cpu"),
+                                    what_to_do=_WITHOUT_HIIM)
     if projector.llm_name != llm.name or projector.proj.out_features != llm.hidden_size:
-        log.info("HIIM off: the champion projector speaks to %s, not %s", projector.llm_name, llm.name)
-        return None
-    gat = mlflow.pytorch.load_model(projector.gat_model_uri, map_location="cpu")
-    return GraphTokenizer(gat, projector.to(llm.model.device), NodeFeatures(warehouse.lake, gat.feature_table))
+        return _hiim_off(f"the champion projector {name} v{version} speaks to {projector.llm_name}, not {llm.name}")
+    gat = tracking.load_model(projector.gat_model_uri, lambda path: mlflow.pytorch.load_model(path, map_location="cpu"),
+                              what_to_do=_WITHOUT_HIIM)
+    tokenizer = GraphTokenizer(gat, projector.to(llm.model.device), NodeFeatures(warehouse.lake, gat.feature_table))
+    return tokenizer, ""
+
+
+def _hiim_off(reason: str) -> tuple[None, str]:
+    log.info("HIIM off: %s", reason)
+    return None, reason

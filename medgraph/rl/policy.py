@@ -134,9 +134,17 @@ def log_grpo_result(result: GrpoResult, config: GrpoConfig, policy_dir: Path, sf
         "sft_model_uri": sft_uri, "graph_r1_config": config.as_dict()})
 
 
-def load_policy(model_uri: str) -> TransformersChatModel:
-    """The chat model of a logged policy (`models:/medgraph-graph-r1-policy@champion`, `models:/m-...`)."""
-    return mlflow.pyfunc.load_model(model_uri).unwrap_python_model().chat
+# What to do when a registered policy cannot be read, besides restoring or retraining it.
+_WITHOUT_POLICY = "or answer with the base LLM instead (--method graph-r1-no-sft)"
+
+
+def load_policy(model_uri: str, tracking: Tracking | None = None) -> TransformersChatModel:
+    """The chat model of a logged policy (`models:/medgraph-graph-r1-policy@champion`, `models:/m-...`), read
+    from its files without writing anything (`Tracking.load_model`; default: the active MLflow tracking URI);
+    a policy that cannot be read is a ModelUnavailableError naming it, its files and what to do."""
+    tracking = tracking or Tracking(mlflow.get_tracking_uri(), "")
+    return tracking.load_model(model_uri, lambda path: mlflow.pyfunc.load_model(path).unwrap_python_model().chat,
+                               what_to_do=_WITHOUT_POLICY)
 
 
 def download_checkpoint(model_uri: str, out_dir: Path) -> Path:
@@ -153,10 +161,9 @@ def load_champion_policy(tracking: Tracking, name: str = GRAPH_R1_POLICY_MODEL.n
     model, or None when nothing is registered."""
     version = tracking.champion_version(name)
     if version is None:
-        log.info("no %s@champion in %s", name, tracking.tracking_uri)
+        log.info("no %s@champion in %s", name, redact_uri(tracking.tracking_uri))
         return None
-    _activate(tracking)
-    chat = load_policy(tracking.model_uri(name))
+    chat = load_policy(f"models:/{name}/{version}", tracking)
     log.info("Graph-R1 policy: %s v%s (%s)", name, version, chat.name)
     return chat
 
@@ -203,8 +210,11 @@ def policy_environment(model_uri: str | None, tracking: Tracking) -> dict[str, o
     left out (ablations set it). {} for the base LLM or a policy that records none."""
     if model_uri is None:
         return {}
-    _activate(tracking)
-    config = (mlflow.models.get_model_info(model_uri).metadata or {}).get("graph_r1_config") or {}
+    # The MLmodel file itself: mlflow.models.get_model_info also looks the logged model up in the active
+    # tracking server (a default ./mlflow.db when none is set).
+    metadata = tracking.load_model(model_uri, lambda path: mlflow.models.Model.load(path).metadata,
+                                   what_to_do=_WITHOUT_POLICY)
+    config = (metadata or {}).get("graph_r1_config") or {}
     return {key.removeprefix("env_"): tuple(value) if isinstance(value, list) else value
             for key, value in config.items() if key.startswith("env_") and key != "env_actions"}
 
@@ -213,11 +223,4 @@ def load_chosen_policy(choice: PolicyChoice, tracking: Tracking) -> ChatModel | 
     """The chat model of a choice; None for the base LLM (and for a skipped method)."""
     if choice.model_uri is None:
         return None
-    _activate(tracking)
-    return load_policy(choice.model_uri)
-
-
-def _activate(tracking: Tracking) -> None:
-    """Point mlflow's `models:/` resolution at the tracking server and registry."""
-    mlflow.set_tracking_uri(tracking.tracking_uri)
-    mlflow.set_registry_uri(tracking.tracking_uri)
+    return load_policy(choice.model_uri, tracking)
