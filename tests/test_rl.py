@@ -241,7 +241,9 @@ def test_expert_demonstrations_walk_the_gold_path_and_answer_correctly(qa_wareho
     assert items and all(i.extra["question_type"] for i in items)
     demos = expert_demonstrations(env, items)
     assert len(demos.states) >= len(items) // 2, demos.dropped
-    assert {s.item.extra["question_type"] for s in demos.states} == {"mc", "yesno", "short_1hop", "short_2hop"}
+    # Every kind of question the generator asks gets demonstrations, 2-hop MC included.
+    assert {s.item.extra["question_type"] for s in demos.states} == {i.extra["question_type"] for i in items}
+    assert {"mc", "mc_2hop", "yesno", "short_1hop", "short_2hop"} <= {i.extra["question_type"] for i in items}
     for state in demos.states:
         assert all(state.well_formed) and episode_reward(state).correct
         assert state.actions[0] == "search" and state.actions[-1] == "answer" and "analyze" in state.actions
