@@ -60,7 +60,8 @@ def _question_index(conversation: Conversation) -> int:
 
 
 def question_of(conversation: Conversation) -> str:
-    return conversation[_question_index(conversation)].content.split("\n")[0].removeprefix("Question: ")
+    first_line = conversation[_question_index(conversation)].content.split("\n")[0].removeprefix("Question: ")
+    return first_line.split(" (candidate answers: ")[0]  # A2RAG's AWC lists the options inline
 
 
 def assistant_turns(conversation: Conversation) -> int:
@@ -197,6 +198,21 @@ def test_awc_answers_when_no_tool_is_named_and_records_it(tools: KnowledgeTools)
     assert result.stats["awc_unparsed"] == 1 and result.stats["routing"] == "none"
     assert [s.action for s in result.steps] == ["T_Final", "answer"] and "no tool named" in result.steps[0].notes
     assert result.prediction == "A"
+
+
+def test_awc_routes_zero_shot_with_no_worked_example_in_the_prompt(tools: KnowledgeTools):
+    """The paper's AWC decides from the tool descriptions alone: no demonstration whose tool a small model
+    copies (with one, SmolLM2 routed every question KG-only)."""
+    def reply(conversation: Conversation) -> str:
+        first_decision = "Action:" in conversation[0].content and len(conversation) == 2
+        return "Thought: passages.\nAction: T_Text[amlodipine]" if first_decision else "<answer>A</answer>"
+
+    llm = ScriptedChatModel(reply)
+    (result,) = run_method("a2rag", [TREAT], tools, llm, make_config("a2rag", CHEAP_A2RAG))
+    first = llm.calls[0][0]
+    assert [m.role for m in first] == ["system", "user"] and first[1].content.startswith("Question: ")
+    assert not any(m.role == "assistant" for m in first)
+    assert result.stats["routing"] == "Text-only"
 
 
 def test_awc_stops_at_max_steps_and_answers_with_what_it_has(tools: KnowledgeTools):
