@@ -30,7 +30,12 @@ if TYPE_CHECKING:
     from medgraph.storage import Warehouse
 
 # `medgraph ask` limits: the whole call (model loading included) and the question's length.
+# The default time limit scales with the method: what one multiple-choice question took from the command line
+# (model loading included) on a demo home, 2 CPU cores shared with other work, the default SmolLM2-135M
+# (ASK_USUAL_S; see `ask_default_timeout`), times ASK_TIMEOUT_HEADROOM, and never below ASK_TIMEOUT_S.
 ASK_TIMEOUT_S = 45.0
+ASK_TIMEOUT_HEADROOM = 3.0
+ASK_USUAL_S = {"cot": 5.0, "rag": 6.0, "rag-kg": 6.0, "irag": 191.0, "a2rag": 28.0, "graph-r1": 72.0, "sema-rag": 168.0}
 MAX_QUESTION_CHARS = 8_000  # ~2k prompt tokens; MedQA's longest vignettes are ~1.5k characters
 EXIT_TIMEOUT = 124  # as timeout(1)
 # After SIGTERM/SIGINT the CLI unwinds (closing connections, discarding staging files); if that has not
@@ -367,11 +372,33 @@ class _ClosesWarehouseWhileGenerating:
         return getattr(self._llm, name)
 
 
+def _ask_method_family(name: str) -> str | None:
+    """The built-in method a method or ablation name runs ("sema-rag-no-e-agent" -> "sema-rag"), without
+    importing the methods (the clock has not started yet); None for an unknown name."""
+    return max((m for m in ASK_USUAL_S if name == m or name.startswith(f"{m}-")), key=len, default=None)
+
+
+def ask_default_timeout(method: str) -> float:
+    """`medgraph ask`'s time limit when --timeout is not given: the method's usual time with headroom."""
+    family = _ask_method_family(method)
+    return max(ASK_TIMEOUT_S, round(ASK_TIMEOUT_HEADROOM * ASK_USUAL_S[family])) if family else ASK_TIMEOUT_S
+
+
+def _usual_time(method: str) -> str:
+    family = _ask_method_family(method)
+    if family is None:
+        return ""
+    return (f"; {family} usually takes about {ASK_USUAL_S[family]:.0f} s with SmolLM2-135M on 2 CPU cores "
+            f"(model loading included)")
+
+
 def _cmd_ask(args: argparse.Namespace) -> int:
     """Answer one question with one method over the warehouse's KG and corpus; optionally show the trace.
 
     Everything the command line can get wrong is checked before any model is loaded (exit status 2); the
     time limit covers the whole call from here on."""
+    if args.timeout is None:
+        args.timeout = ask_default_timeout(args.method)
     if args.timeout < 0:
         raise UsageError(f"--timeout must be >= 0 seconds (0: no limit), got {args.timeout:g}")
     question = _read_question(args)  # before the clock starts: standard input may be a person typing
@@ -392,8 +419,8 @@ def _cmd_ask(args: argparse.Namespace) -> int:
         if deadline is None or time.monotonic() < deadline - 0.5:
             print(f"medgraph ask: {error}", file=sys.stderr)
             return 1
-    print(f"medgraph ask: no answer within the time limit of {args.timeout:g} s (--timeout) while {stage[0]}; "
-          f"raise it with --timeout SECONDS (0: no limit)", file=sys.stderr)
+    print(f"medgraph ask: no answer within the time limit of {args.timeout:g} s (--timeout) while {stage[0]}"
+          f"{_usual_time(args.method)}; raise it with --timeout SECONDS (0: no limit)", file=sys.stderr)
     return EXIT_TIMEOUT
 
 
@@ -566,9 +593,10 @@ def _parser() -> argparse.ArgumentParser:
                      help="read the question from a UTF-8 text file (- for standard input)")
     ask.add_argument("--max-question-chars", type=int, default=MAX_QUESTION_CHARS, metavar="N",
                      help=f"refuse longer questions, options included (default {MAX_QUESTION_CHARS:,}; 0: no limit)")
-    ask.add_argument("--timeout", type=float, default=ASK_TIMEOUT_S, metavar="SECONDS",
+    ask.add_argument("--timeout", type=float, default=None, metavar="SECONDS",
                      help=f"time limit for the whole call, model loading included; HTTP LLM requests wait at "
-                          f"most this long (default {ASK_TIMEOUT_S:g}; 0: no limit; exit status {EXIT_TIMEOUT})")
+                          f"most this long (default: per method, {ASK_TIMEOUT_HEADROOM:g}x its usual time on 2 CPU "
+                          f"cores, at least {ASK_TIMEOUT_S:g}; 0: no limit; exit status {EXIT_TIMEOUT})")
     ask.add_argument("--option", action="append", default=[], metavar='LETTER="TEXT"',
                      help='a multiple-choice option, e.g. --option A="amlodipine" (repeat; none: short answer)')
     ask.add_argument("--method", default="a2rag",

@@ -139,6 +139,36 @@ def test_the_time_limit_names_the_stage_that_was_running(bare_home: Path, monkey
     assert "loading the LLM" not in err and ":pw@" not in err
 
 
+@pytest.mark.parametrize("method, family", [("irag", "irag"), ("sema-rag-no-e-agent", "sema-rag"), ("rag-kg", "rag-kg"),
+                                            ("cot", "cot")])
+def test_the_default_time_limit_is_the_methods_usual_time_with_headroom(no_model: None, method: str, family: str,
+                                                                      monkeypatch: pytest.MonkeyPatch,
+                                                                      capsys: pytest.CaptureFixture):
+    """Before: 45 s for every method, and `ask --method irag` with its defaults took longer than that on
+    2 cores. A time-out (here at once) says the limit used and how long the method usually takes."""
+    from contextlib import contextmanager
+
+    from medgraph import cli
+
+    limits: list[float] = []
+
+    @contextmanager
+    def expires_at_once(seconds: float):
+        limits.append(seconds)
+        raise cli.AskTimedOut()
+        yield
+
+    monkeypatch.setattr(cli, "_time_limit", expires_at_once)
+    assert main(["ask", "Which drug treats hypertension?", "--method", method]) == 124
+    usual = cli.ASK_USUAL_S[family]
+    assert limits == [max(cli.ASK_TIMEOUT_S, round(cli.ASK_TIMEOUT_HEADROOM * usual))]
+    assert usual > 0 and (limits[0] > 45 if family == "irag" else limits[0] >= 45)
+    err = capsys.readouterr().err
+    assert f"time limit of {limits[0]:g} s (--timeout)" in err and f"{family} usually takes about {usual:.0f} s" in err
+    assert main(["ask", "Which drug treats hypertension?", "--method", method, "--timeout", "7"]) == 124
+    assert limits[-1] == 7  # a given --timeout wins
+
+
 def test_timeout_is_validated(no_model: None, capsys: pytest.CaptureFixture):
     assert main(["ask", "x", "--timeout", "-1"]) == 2
     assert "--timeout must be >= 0 seconds" in capsys.readouterr().err

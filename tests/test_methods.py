@@ -30,7 +30,7 @@ from medgraph.methods import (
     trace_rows,
 )
 from medgraph.methods.a2rag import A2Rag, A2RagConfig, gsrm_refine, parse_tool_choice
-from medgraph.methods.agent import CUT_OFF_NOTE, FINAL_ANSWER_TOKENS
+from medgraph.methods.agent import FINAL_ANSWER_TOKENS
 from medgraph.methods.common import token_f1
 from medgraph.methods.graph_r1 import GraphR1Config, GraphR1Env, is_well_formed, parse_action, restore_stop
 from medgraph.methods.sema_rag import parse_judgment, parse_schema
@@ -60,7 +60,8 @@ def _question_index(conversation: Conversation) -> int:
 
 
 def question_of(conversation: Conversation) -> str:
-    return conversation[_question_index(conversation)].content.split("\n")[0].removeprefix("Question: ")
+    first_line = conversation[_question_index(conversation)].content.split("\n")[0].removeprefix("Question: ")
+    return first_line.split(" (candidate answers: ")[0]  # A2RAG's AWC lists the options inline
 
 
 def assistant_turns(conversation: Conversation) -> int:
@@ -197,6 +198,21 @@ def test_awc_answers_when_no_tool_is_named_and_records_it(tools: KnowledgeTools)
     assert result.stats["awc_unparsed"] == 1 and result.stats["routing"] == "none"
     assert [s.action for s in result.steps] == ["T_Final", "answer"] and "no tool named" in result.steps[0].notes
     assert result.prediction == "A"
+
+
+def test_awc_routes_zero_shot_with_no_worked_example_in_the_prompt(tools: KnowledgeTools):
+    """The paper's AWC decides from the tool descriptions alone: no demonstration whose tool a small model
+    copies (with one, SmolLM2 routed every question KG-only)."""
+    def reply(conversation: Conversation) -> str:
+        first_decision = "Action:" in conversation[0].content and len(conversation) == 2
+        return "Thought: passages.\nAction: T_Text[amlodipine]" if first_decision else "<answer>A</answer>"
+
+    llm = ScriptedChatModel(reply)
+    (result,) = run_method("a2rag", [TREAT], tools, llm, make_config("a2rag", CHEAP_A2RAG))
+    first = llm.calls[0][0]
+    assert [m.role for m in first] == ["system", "user"] and first[1].content.startswith("Question: ")
+    assert not any(m.role == "assistant" for m in first)
+    assert result.stats["routing"] == "Text-only"
 
 
 def test_awc_stops_at_max_steps_and_answers_with_what_it_has(tools: KnowledgeTools):
@@ -442,30 +458,29 @@ def test_sema_rag_stops_when_no_new_query_appears(tools: KnowledgeTools, judgmen
 
 
 def test_sema_rag_reads_the_answer_of_a_cut_report_with_one_short_call(tools: KnowledgeTools):
-    """A report cut at its budget: one short call (FINAL_ANSWER_TOKENS) for the answer alone, as every
-    method's cut reply gets, not a full-budget answer call after it; an answer the cut report states is read."""
+    """A report cut at its budget: the answer call gets the short budget (FINAL_ANSWER_TOKENS) every method's
+    cut reply gets, not a second full budget; an answer the cut report states is read without another call."""
     def reply(conversation: Conversation) -> str:
-        if CUT_OFF_NOTE in conversation[-1].content:
-            return "<answer>A</answer> " + "because it blocks calcium channels " * 10
         if "evidence report" in conversation[-1].content:
             return "Source [1] says amlodipine lowers blood pressure; " * 40
+        if "Give the final answer" in conversation[-1].content:
+            return "<answer>A</answer> " + "because it blocks calcium channels " * 10
         return sema_reply(['{"sufficient": true}'])(conversation)
 
     llm = ScriptedChatModel(reply)
     (result,) = run_method("sema-rag", [TREAT], tools, llm)
-    assert [s.action for s in result.steps] == ["i_agent", "retrieve", "e_agent", "a_agent_report", "final_answer"]
-    assert result.steps[-1].completion_tokens == FINAL_ANSWER_TOKENS and "evidence report was cut" in result.steps[-1].notes
-    assert result.stats["report_cut"] and result.truncated and result.extra_answer_call and result.correct
-    retry = llm.calls[-1][0]
-    assert retry[-2].content == result.steps[3].output and CUT_OFF_NOTE in retry[-1].content
+    assert [s.action for s in result.steps] == ["i_agent", "retrieve", "e_agent", "a_agent_report", "answer"]
+    assert result.steps[3].completion_tokens == 160 and result.steps[4].completion_tokens == FINAL_ANSWER_TOKENS
+    assert result.stats["report_cut"] and result.correct and not result.truncated
+    assert llm.calls[-1][0][-2].content == result.steps[3].output  # the answer call follows the cut report
 
     def states(conversation: Conversation) -> str:
         if "evidence report" in conversation[-1].content:
-            return "Source [1] agrees, so the answer is A. " + "Source [2] adds detail. " * 60
+            return "A. amlodipine: [1]. B. salbutamol: [2]. So the answer is B. " + "Source [2] adds detail. " * 60
         return sema_reply(['{"sufficient": true}'])(conversation)
 
     (stated,) = run_method("sema-rag", [TREAT], tools, ScriptedChatModel(states))
-    assert [s.action for s in stated.steps][-1] == "a_agent_report" and stated.correct and not stated.truncated
+    assert [s.action for s in stated.steps][-1] == "a_agent_report" and stated.prediction == "B"
 
 
 def test_sema_rag_ablations_drop_their_agent(tools: KnowledgeTools):

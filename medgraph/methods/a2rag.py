@@ -73,7 +73,9 @@ class A2RagConfig:
     observe_triples: int = 15  # triples an AWC observation shows (the answer sees `context_triples`)
     context_triples: int = 30
     max_new_tokens: int = 96
-    demonstration: bool = True  # one worked AWC exchange before the question (small models follow it)
+    # One worked AWC exchange before the question. Off: the route must be the model's own zero-shot choice, as
+    # in the paper; a small model copies the example's tool (SmolLM2 routed 100% KG-only with it).
+    demonstration: bool = False
 
     def __post_init__(self) -> None:  # run config and JSON give lists
         object.__setattr__(self, "gsrm_by_type", tuple((str(kind), float(tau), int(k), int(n))
@@ -233,9 +235,25 @@ Each turn, reply with exactly two lines:
 Thought: <one short sentence>
 Action: {T_KG} or {T_TEXT}[query] or {T_FINAL}"""
 
-# Small models follow a format they are shown far more reliably than one they are told.
+# The AWC's task closes its first message. Zero-shot, a question shown with an "Options:" list is answered
+# rather than routed: SmolLM2-135M answered all 8 validation questions so, under three system-prompt wordings
+# and with this task after the list; with the options inline as candidate answers and this task last, it named a
+# tool for 4 of 8 (the order of the tools listed here is the order that did not name the first one every time).
+AWC_TASK = (f"Which tool do you use first? Reply with two lines:\nThought: <one short sentence>\n"
+            f"Action: {T_TEXT}[query] or {T_KG} or {T_FINAL}")
+
+
+def awc_question(item: QaItem) -> str:
+    """The AWC's first message: the question, its options inline as candidate answers, then the task."""
+    candidates = f" (candidate answers: {'; '.join(item.options.values())})" if item.options else ""
+    return f"Question: {item.question.strip()}{candidates}\n\n{AWC_TASK}"
+
+
+# Opt-in (`demonstration=True`): small models follow a format they are shown far more reliably than one they
+# are told, but they also copy the shown choice, so the routing statistics would measure the example.
 AWC_DEMONSTRATION = (
-    user("Question: Which of the following may treat gout?\nOptions:\nA. allopurinol\nB. insulin"),
+    user(awc_question(QaItem("demo", "gout", "Which of the following may treat gout?",
+                             {"A": "allopurinol", "B": "insulin"}, "A"))),
     assistant(f"Thought: I need facts about gout and these drugs.\nAction: {T_KG}"),
 )
 
@@ -334,7 +352,7 @@ class A2Rag:
         tools_used: set[str] = set()
         stats: dict[str, object] = {"awc_unparsed": 0}
         demonstration = list(AWC_DEMONSTRATION) if config.demonstration else []
-        conversation: list[Message] = [system(AWC_SYSTEM), *demonstration, user(format_question(item))]
+        conversation: list[Message] = [system(AWC_SYSTEM), *demonstration, user(awc_question(item))]
         plan = [T_KG, T_TEXT, T_FINAL] if not config.use_awc else []
         for index in range(len(plan) if plan else config.max_steps):
             if plan:
