@@ -70,6 +70,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import duckdb
+import numpy as np
 import pyarrow as pa
 
 from medgraph.eval.questions import QaItem, write_mirage
@@ -162,6 +163,75 @@ class _View:
         return self._get(key) is not None  # type: ignore[arg-type]
 
 
+class _GraphArrays:
+    """The graph as integer arrays, both directions (compressed sparse rows), and the per-concept columns
+    as Arrow: about 14 bytes per edge, and no Python object per concept or edge until one is asked for.
+
+    Built by DuckDB in two sorted scans. Every later read is an O(degree) slice: before, each batch and
+    each miss ran a query that scanned `kg.kg_edges`, so time grew with batches x edges (issue 27).
+    Positions are ranks of CUIs among kg_nodes and every edge endpoint (an endpoint without a node has
+    null columns, read as "no concept").
+    """
+
+    def __init__(self, con: duckdb.DuckDBPyConnection, relations: Sequence[str]):
+        con.execute("""
+            CREATE OR REPLACE TEMP TABLE qa_positions AS
+            SELECT cui, (row_number() OVER (ORDER BY cui) - 1)::INTEGER AS pos
+            FROM (SELECT cui FROM kg.kg_nodes UNION SELECT src_cui FROM kg.kg_edges
+                  UNION SELECT dst_cui FROM kg.kg_edges)
+        """)
+        self.concepts = con.execute(
+            f"""
+            SELECT p.cui, n.cui IS NOT NULL AS has_node, n.preferred_name, coalesce(n.synonyms, []) AS synonyms,
+                   coalesce(n.tuis, []) AS tuis,
+                   list_transform(list_prepend(n.preferred_name, coalesce(n.synonyms, [])),
+                                  x -> {NORMALIZE_SQL.format('x')}) AS forms,
+                   coalesce(q.ambiguous, true) AS ambiguous, coalesce(q.degree, 0) AS degree
+            FROM qa_positions p LEFT JOIN kg.kg_nodes n ON n.cui = p.cui LEFT JOIN qa_concepts q ON q.cui = p.cui
+            ORDER BY p.pos
+            """
+        ).fetch_arrow_table()
+        cuis = self.concepts.column("cui").to_pylist()
+        self.cuis = np.asarray(cuis, dtype=f"U{max((len(c) for c in cuis), default=1)}")
+        del cuis
+        self.relations = tuple(relations)
+        con.register("qa_relation_codes", pa.table({"relation": list(self.relations),
+                                                     "code": pa.array(range(len(self.relations)), pa.int16())}))
+        edges = """
+            SELECT DISTINCT s.pos AS src, c.code, d.pos AS dst, e.rel = 'CHD' AS chd
+            FROM kg.kg_edges e JOIN qa_positions s ON s.cui = e.src_cui JOIN qa_positions d ON d.cui = e.dst_cui
+            JOIN qa_relation_codes c ON c.relation = e.relation
+            WHERE e.src_cui <> e.dst_cui
+        """
+        self.out = self._rows(con.execute(f"SELECT src AS key, code, dst AS other, chd FROM ({edges}) "
+                                          "ORDER BY key, code, other").fetchnumpy())
+        self.into = self._rows(con.execute(f"SELECT dst AS key, code, src AS other, chd FROM ({edges}) "
+                                           "ORDER BY key, code, other").fetchnumpy())
+        con.unregister("qa_relation_codes")
+
+    def _rows(self, columns: Mapping[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """(indptr, code, other, chd): the edges of position i are indptr[i]:indptr[i+1]."""
+        indptr = np.zeros(len(self.cuis) + 1, dtype=np.int64)
+        np.cumsum(np.bincount(columns["key"], minlength=len(self.cuis)), out=indptr[1:])
+        return (indptr, columns["code"].astype(np.int16), columns["other"].astype(np.int32),
+                columns["chd"].astype(bool))
+
+    def positions(self, cuis: Sequence[str]) -> np.ndarray:
+        """Positions of `cuis`; -1 for a CUI the graph does not hold."""
+        if not len(cuis):
+            return np.empty(0, dtype=np.int64)
+        keys = np.asarray(cuis)  # its own width: a longer CUI must not be cut to match a shorter one
+        found = np.minimum(np.searchsorted(self.cuis, keys), len(self.cuis) - 1)
+        return np.where(self.cuis[found] == keys, found, -1)
+
+    def edges(self, direction: str, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """(key, code, other, chd) of every edge of `positions` (>= 0) in one direction ("out" or "into")."""
+        indptr, code, other, chd = self.out if direction == "out" else self.into
+        starts, counts = indptr[positions], indptr[positions + 1] - indptr[positions]
+        rows = np.repeat(starts - np.cumsum(counts) + counts, counts) + np.arange(counts.sum())
+        return np.repeat(positions, counts), code[rows], other[rows], chd[rows]
+
+
 class _Graph:
     """The parts of `kg.*` the generator walks, read from DuckDB around the sampled question concepts.
 
@@ -218,6 +288,7 @@ class _Graph:
         """)
         relation_rels = con.execute("SELECT relation, list(DISTINCT rel) FROM kg.kg_edges GROUP BY ALL").fetchall()
         self.relations = tuple(sorted(r for r, _ in relation_rels))
+        self._arrays = _GraphArrays(con, self.relations)
         self.hierarchical = frozenset(r for r, rels in relation_rels if set(rels) <= {"PAR", "CHD", "RB", "RN"})
         # A relation's inverse is the relation most of its edges reappear under, reversed (a DuckDB join:
         # only one row per pair of relations comes back).
@@ -238,59 +309,56 @@ class _Graph:
 
     # ----------------------------------------------------------------- reading
 
-    def _wanted(self, cuis: Iterable[str]) -> None:
-        self.con.register("qa_wanted", pa.table({"cui": pa.array(sorted(set(cuis)), pa.string())}))
-
     def _load_concepts(self, cuis: Iterable[str]) -> None:
-        wanted = {c for c in cuis if c not in self._concepts}
+        wanted = sorted({c for c in cuis if c not in self._concepts})
         if not wanted:
             return
-        self._wanted(wanted)
-        rows = self.con.execute(
-            f"""
-            SELECT n.cui, n.preferred_name, coalesce(n.synonyms, []), coalesce(n.tuis, []),
-                   list_transform(list_prepend(n.preferred_name, coalesce(n.synonyms, [])),
-                                  x -> {NORMALIZE_SQL.format('x')}), q.ambiguous, q.degree
-            FROM kg.kg_nodes n JOIN qa_concepts q ON q.cui = n.cui
-            WHERE n.cui IN (SELECT cui FROM qa_wanted)
-            """
-        ).fetchall()
+        positions = self._arrays.positions(wanted)
+        found = positions >= 0
+        rows = self._arrays.concepts.take(pa.array(positions[found])).to_pylist()
         self.rows_read += len(rows)
-        for cui, name, synonyms, tuis, forms, ambiguous, degree in rows:
-            self._concepts[cui] = _Concept(name, tuple(synonyms), frozenset(f for f in forms if f), tuple(tuis),
-                                           bool(ambiguous), int(degree))
-        for cui in wanted - {row[0] for row in rows}:
-            self._concepts[cui] = None  # an edge endpoint without a node
+        for cui, row in zip(np.asarray(wanted)[found].tolist(), rows):
+            self._concepts[cui] = _Concept(
+                row["preferred_name"], tuple(row["synonyms"]), frozenset(f for f in row["forms"] if f),
+                tuple(row["tuis"]), bool(row["ambiguous"]), int(row["degree"])) if row["has_node"] else None
+        for cui in np.asarray(wanted)[~found].tolist():
+            self._concepts[cui] = None  # not in the graph at all
         self._held += len(wanted)
 
+    def _edges(self, direction: str, cuis: Sequence[str], chd_only: bool = False) -> Iterator[tuple[str, str, str]]:
+        """(cui, relation, other) for every edge of `cuis` in `direction`, CUIs and relations as strings."""
+        positions = self._arrays.positions(cuis)
+        key, code, other, chd = self._arrays.edges(direction, positions[positions >= 0])
+        if chd_only:
+            key, code, other = key[chd], code[chd], other[chd]
+        self.rows_read += len(key)
+        names = self._arrays.cuis
+        relations = self.relations
+        return zip(names[key].tolist(), (relations[c] for c in code.tolist()), names[other].tolist())
+
     def _load_adjacency(self, cuis: Iterable[str]) -> None:
-        wanted = {c for c in cuis if c not in self._adjacency}
+        wanted = sorted({c for c in cuis if c not in self._adjacency})
         if not wanted:
             return
-        self._wanted(wanted)
-        rows = self.con.execute(
-            "SELECT DISTINCT src_cui, relation, dst_cui, rel = 'CHD' FROM kg.kg_edges WHERE src_cui <> dst_cui "
-            "AND (src_cui IN (SELECT cui FROM qa_wanted) OR dst_cui IN (SELECT cui FROM qa_wanted))"
-        ).fetchall()
-        self.rows_read += len(rows)
-        out: dict[str, dict[str, set[str]]] = defaultdict(lambda: defaultdict(set))
-        into: dict[str, dict[str, set[str]]] = defaultdict(lambda: defaultdict(set))
+        out: dict[str, dict[str, list[str]]] = defaultdict(lambda: defaultdict(list))
+        into: dict[str, dict[str, list[str]]] = defaultdict(lambda: defaultdict(list))
         parents: dict[str, set[str]] = defaultdict(set)
-        for src, relation, dst, chd in rows:
-            if src in wanted:
-                out[src][relation].add(dst)
-                if chd:
-                    parents[src].add(dst)
-            if dst in wanted:
-                into[dst][relation].add(src)
+        for cui, relation, dst in self._edges("out", wanted):  # sorted by (cui, relation, other) already
+            out[cui][relation].append(dst)
+        for cui, _, dst in self._edges("out", wanted, chd_only=True):
+            parents[cui].add(dst)
+        for cui, relation, src in self._edges("into", wanted):
+            into[cui][relation].append(src)
+        held = 0
         for cui in wanted:
-            outs = {r: tuple(sorted(d)) for r, d in sorted(out[cui].items())} if cui in out else {}
-            ins = {r: tuple(sorted(s)) for r, s in sorted(into[cui].items())} if cui in into else {}
+            outs = {r: tuple(dict.fromkeys(d)) for r, d in out[cui].items()} if cui in out else {}
+            ins = {r: tuple(dict.fromkeys(s)) for r, s in into[cui].items()} if cui in into else {}
             neighbours = frozenset(n for targets in (*outs.values(), *ins.values()) for n in targets)
+            held += len(neighbours)
             self._adjacency[cui] = _Adjacency(outs, ins, neighbours, tuple(sorted(parents.get(cui, ())))) \
                 if outs or ins else _NO_ADJACENCY
             self._pending.pop(cui, None)
-        self._held += len(wanted) + len(rows)
+        self._held += len(wanted) + held
 
     def _concept(self, cui: str) -> _Concept | None:
         if cui not in self._concepts:
@@ -314,10 +382,7 @@ class _Graph:
 
     def _children_of(self, cui: str) -> tuple[str, ...]:
         if cui not in self._children:
-            rows = self.con.execute(
-                "SELECT list(DISTINCT src_cui ORDER BY src_cui) FROM kg.kg_edges "
-                "WHERE rel = 'CHD' AND dst_cui = ? AND src_cui <> dst_cui", [cui]).fetchone()
-            self._children[cui] = tuple(rows[0] or ()) if rows else ()
+            self._children[cui] = tuple(sorted({src for _, _, src in self._edges("into", [cui], chd_only=True)}))
         return self._children[cui]
 
     def _typed_sample(self, relation: str | None, tui: str, size: int = 1000) -> list[str]:
@@ -453,14 +518,11 @@ class _Graph:
         wanted = {c for c in cuis if c not in self._adjacency and c not in self._parents_only}
         if not wanted:
             return
-        self._wanted(wanted)
-        rows = self.con.execute(
-            "SELECT src_cui, list(DISTINCT dst_cui ORDER BY dst_cui) FROM kg.kg_edges WHERE rel = 'CHD' "
-            "AND src_cui <> dst_cui AND src_cui IN (SELECT cui FROM qa_wanted) GROUP BY ALL").fetchall()
-        self.rows_read += len(rows)
-        found = dict(rows)
+        found: dict[str, set[str]] = defaultdict(set)
+        for cui, _, dst in self._edges("out", sorted(wanted), chd_only=True):
+            found[cui].add(dst)
         for cui in wanted:
-            self._parents_only[cui] = tuple(found.get(cui, ()))
+            self._parents_only[cui] = tuple(sorted(found.get(cui, ())))
         self._held += len(wanted)
 
     def in_lineage(self, a: str, b: str) -> bool:
