@@ -118,6 +118,58 @@ def exponents(steps: list[Step]) -> list[dict[str, object]]:
     return out
 
 
+UMLS_TRIPLES = 54_000_000  # kg_edges of a full UMLS release (the A2RAG paper's KG)
+
+
+def projections(steps: list[Step]) -> list[dict[str, object]]:
+    """Each step's time and peak RSS projected to a full UMLS release, by a least-squares line through
+    log(value) against log(kg_edges) over the measured sizes (kg_edges from the kg step of each size)."""
+    edges = {s.rows_in: s.rows.get("kg.kg_edges", 0) for s in steps if s.step == "kg" and s.returncode == 0}
+    out = []
+    for name in dict.fromkeys(s.step for s in steps):
+        runs = [s for s in steps if s.step == name and s.returncode == 0 and edges.get(s.rows_in, 0) > 0]
+        if len(runs) < 2:
+            continue
+        xs = [math.log(edges[s.rows_in]) for s in runs]
+        row: dict[str, object] = {"step": name}
+        for field in ("seconds", "peak_rss_mb"):
+            ys = [math.log(max(getattr(s, field), 1e-3)) for s in runs]
+            mean_x, mean_y = sum(xs) / len(xs), sum(ys) / len(ys)
+            slope = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys)) / sum((x - mean_x) ** 2 for x in xs)
+            row[f"{field}_exponent"] = round(slope, 2)
+            row[f"{field}_at_umls"] = round(math.exp(mean_y + slope * (math.log(UMLS_TRIPLES) - mean_x)), 1)
+        out.append(row)
+    return out
+
+
+def plot(steps: list[Step], path: Path) -> None:
+    """Log-log plot of each step's wall time and peak RSS against the kg_edges of its size."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    edges = {s.rows_in: s.rows.get("kg.kg_edges", 0) for s in steps if s.step == "kg"}
+    figure, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for name in dict.fromkeys(s.step for s in steps):
+        runs = [s for s in steps if s.step == name and s.returncode == 0 and edges.get(s.rows_in, 0) > 0]
+        xs = [edges[s.rows_in] for s in runs]
+        left.plot(xs, [s.seconds for s in runs], marker="o", label=name)
+        right.plot(xs, [s.peak_rss_mb / 1024 for s in runs], marker="o", label=name)
+    for axis, label in ((left, "wall time (s)"), (right, "peak RSS (GB)")):
+        axis.set_xscale("log")
+        axis.set_yscale("log")
+        axis.set_xlabel("kg_edges")
+        axis.set_ylabel(label)
+        axis.grid(True, which="both", alpha=0.3)
+    right.axhline(8, color="red", linestyle="--", linewidth=1, label="8 GB target")
+    left.legend(fontsize=8)
+    right.legend(fontsize=8)
+    figure.suptitle("Scale run: each asset step against the size of the KG (synthetic UMLS releases)")
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--mrrel-rows", type=int, nargs="+", required=True)
@@ -128,8 +180,14 @@ def main() -> None:
     for row in growth:
         print(f"{row['step']:<8} {row['from']:,} -> {row['to']:,}: time x^{row['time_exponent']}, "
               f"peak RSS x^{row['rss_exponent']}")
+    projected = projections(steps)
+    for row in projected:
+        print(f"{row['step']:<8} at {UMLS_TRIPLES:,} kg_edges: ~{row['seconds_at_umls']:,.0f} s "
+              f"(x^{row['seconds_exponent']}), ~{row['peak_rss_mb_at_umls']:,.0f} MB (x^{row['peak_rss_mb_exponent']})")
     (args.work_dir / "scale_run.json").write_text(json.dumps(
-        {"steps": [asdict(s) for s in steps], "growth": growth}, indent=1))
+        {"steps": [asdict(s) for s in steps], "growth": growth, "projection": projected}, indent=1))
+    plot(steps, args.work_dir / "scale_run.png")
+    print(f"plot: {args.work_dir / 'scale_run.png'}")
 
 
 if __name__ == "__main__":

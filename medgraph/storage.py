@@ -436,8 +436,26 @@ def lake_views_to_repoint(con: duckdb.DuckDBPyConnection, lake_root: str) -> lis
                        f"it is: {reason} (materialize its asset again to rebuild it)")
             continue
         create_sql = "CREATE OR REPLACE VIEW " + new_sql[len("CREATE VIEW "):]
+        unreadable = _unreadable(con, create_sql)
+        if unreadable:  # DuckDB reads a Parquet footer to create the view: one bad file would fail them all
+            _warn_once(f"{name} {paths[0][1]}",
+                       f"view {name} reads {paths[0][0]}, outside the lake {lake_root}, and is left as it is: "
+                       f"{paths[0][1]} cannot be read ({unreadable}; materialize its asset again to rebuild it)")
+            continue
         moves.append(LakeViewMove(name, paths[0][0], paths[0][1], create_sql))
     return moves
+
+
+def _unreadable(con: duckdb.DuckDBPyConnection, create_sql: str) -> str | None:
+    """Why the query of a CREATE VIEW statement cannot be bound (its files unreadable), or None. Probed on a
+    cursor of its own: a failed statement aborts the transaction it runs in."""
+    query = re.split(r"\s+AS\s+", create_sql, maxsplit=1)[1].strip().rstrip(";")
+    try:
+        with con.cursor() as probe:
+            probe.execute(f"SELECT * FROM ({query}) LIMIT 0")
+    except duckdb.Error as error:
+        return f"{type(error).__name__}: {str(error).splitlines()[0]}"
+    return None
 
 
 def _sql_over_lake(sql: str, schema: str, lake_root: str) -> tuple[str, list[tuple[str, str]]]:

@@ -122,6 +122,25 @@ def test_views_over_another_schema_and_a_missing_file(kg_warehouse: Warehouse, t
     assert any(f"'{original.lake.root}/umls/mrdef.parquet'" in sql for sql in view_paths(copy.path))
 
 
+def test_a_copy_with_one_garbage_lake_file_repoints_every_other_view(kg_warehouse: Warehouse, tmp_path: Path):
+    """Issue 30, fault 4 on a copied home. Before: DuckDB reads a Parquet footer to create a view, so the
+    one re-pointing transaction failed on the garbage file and `medgraph status` died ("too small to be a
+    Parquet file") instead of listing the tables."""
+    original = home_built_in_place(kg_warehouse, tmp_path / "original")
+    copy_home = Path(shutil.copytree(original.path.parent, tmp_path / "copy"))
+    (copy_home / "lake" / "umls" / "mrdef.parquet").write_bytes(b"not parquet" * 500)
+    rewrite_parquet(copy_home / "lake" / "umls" / "mrsab.parquet", keep_rows=2)
+
+    shown = status(copy_home)
+    assert shown.returncode == 0, shown.stderr
+    assert "view umls.mrdef reads" in shown.stderr and "cannot be read" in shown.stderr
+    assert next(line for line in shown.stdout.splitlines() if " umls.mrsab " in line).endswith(" 2 rows")
+    copied_views = view_paths(copy_home / "warehouse.duckdb")
+    # Left reading the original's (readable) file; every other view reads the copy's lake.
+    assert [sql for sql in copied_views if str(original.lake.root) in sql] == [
+        sql for sql in copied_views if "read_parquet" in sql and "mrdef" in sql]
+
+
 def test_s3_and_relative_paths_are_left_alone(tmp_path: Path):
     """Only absolute local paths follow the home; views over s3:// keep theirs (checked by SQL text only)."""
     home = tmp_path / "home"
