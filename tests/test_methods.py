@@ -84,13 +84,15 @@ def assistant_turns(conversation: Conversation) -> int:
     ("<answer>Amlodipine</answer>", "A"),
     ("<answer>B", "B"),  # generation stopped at </answer>
     ("amlodipine, because it blocks calcium channels", "A"),
+    ("Hypertension may be treated with amlodipine.", "A"),  # names exactly one option
 ])
 def test_parse_answer_reads_the_option_in_many_forms(reply: str, expected: str):
     assert parse_answer(reply, TREAT) == expected
 
 
 @pytest.mark.parametrize("reply", ["", "I am not sure.", "It could be a drug.", "<answer>E</answer>", "Answer: Z",
-                                   "All of them help somewhat."])
+                                   "All of them help somewhat.",
+                                   "It may be insulin or amlodipine."])  # two options named: no guess
 def test_parse_answer_returns_none_instead_of_guessing(reply: str):
     assert parse_answer(reply, TREAT) is None
 
@@ -117,6 +119,7 @@ def test_an_answer_naming_one_options_concept_is_that_option():
 def test_a_yes_no_reply_is_read_from_its_first_word():
     assert parse_answer("Yes, seizures occur in Fabry disease.", FABRY_SEIZURE) == "A"
     assert parse_answer("<answer>no</answer>", FABRY_SEIZURE) == "B"
+    assert parse_answer("There is no evidence either way.", FABRY_SEIZURE) is None  # "no" inside a sentence
     assert parse_answer("Seizures are common.", FABRY_SEIZURE) is None
 
 

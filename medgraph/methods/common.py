@@ -107,7 +107,14 @@ def _option_letter(candidate: str, options: Mapping[str, str],
     opening.sort(reverse=True)
     if opening and (len(opening) == 1 or opening[0][0] > opening[1][0]):
         return opening[0][1]
-    return None
+    # "Cardiogenic shock is a manifestation of Hypotension.": the reply names exactly one option's text
+    # (as whole words; an option named only inside another named option's text does not count). Not for
+    # yes/no: "there is no evidence that ..." does not answer "no".
+    padded = f" {normalized} "
+    named = {k: _normalize_text(v) for k, v in options.items() if _normalize_text(v) not in ("", "yes", "no")
+             and f" {_normalize_text(v)} " in padded}
+    named = {k: v for k, v in named.items() if not any(v != w and f" {v} " in f" {w} " for w in named.values())}
+    return next(iter(named)) if len(named) == 1 else None
 
 
 def parse_answer(text: str, item: QaItem) -> str | None:
@@ -115,7 +122,8 @@ def parse_answer(text: str, item: QaItem) -> str | None:
 
     Multiple choice: the option letter from `<answer>B</answer>`, "Answer: B", "the answer is
     (B)", a bare letter, an option's exact text, a reply that opens with exactly one option's
-    text ("Yes, because ..."), or the concept id of one option (KG-derived items carry each
+    text ("Yes, because ..."), a reply that names exactly one option's text ("X is a manifestation
+    of Hypotension."; two options named is unreadable), or the concept id of one option (KG-derived items carry each
     option's concept in `extra["option_cuis"]`; Graph-R1's observations list concepts by id).
     Short answer: the text of the answer tag, of an "Answer:" line, or a reply that is itself
     one short line.
