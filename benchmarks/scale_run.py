@@ -8,7 +8,10 @@ its own child process (`dg launch -m definitions --assets ...` with MEDGRAPH_PRO
 and a fresh MEDGRAPH_HOME) and records its wall time, the child's peak RSS (`os.wait4`'s ru_maxrss), the
 home's size on disk after it and the rows of the tables it wrote. Prints one table per size, the growth
 exponent of time and memory between consecutive sizes (log ratio over log ratio of rows: 1.0 is linear),
-and writes everything to <work-dir>/scale_run.json. Embeddings and the GPU assets are not steps (yet).
+and writes everything to <work-dir>/scale_run.json, with a least-squares projection of each step to a full
+UMLS release (54M kg_edges) and a log-log plot (<work-dir>/scale_run.png). Last, `query_latency.py` in the
+home: per-question entity linking, one-hop, GSRM and text search. Embeddings and the GPU assets are not
+steps: GAT memory against graph size is `gat_train.py --sizes`, encoder throughput `embed_throughput.py`.
 """
 
 from __future__ import annotations
@@ -100,6 +103,14 @@ def run_size(rows_in: int, workdir: Path) -> list[Step]:
               f"{steps[-1].rows}", flush=True)
         if rc != 0:
             print(f"  step {name} failed: see {base / f'{name}.log'}", flush=True)
+    # Query time at this size: entity linking, one-hop (the CSR index is built here), GSRM, text search.
+    latency = base / "query_latency.json"
+    seconds, rss, rc = measured([PYTHON, str(ROOT / "benchmarks" / "query_latency.py"), "--questions", "30",
+                                 "--json", str(latency)], env, base / "query.log")
+    stages = json.loads(latency.read_text())["stages"] if rc == 0 and latency.exists() else {}
+    steps.append(Step(rows_in, "query", seconds, rss, disk_mb(home),
+                      {f"{stage}_p50_ms": round(v["p50_ms"]) for stage, v in stages.items()}, rc))
+    print(f"{rows_in:>11,} query    {seconds:8.1f}s {rss:8.0f} MB  rc {rc}  {stages}", flush=True)
     return steps
 
 
