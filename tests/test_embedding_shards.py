@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterator
 import multiprocessing
+from collections.abc import Iterator
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
@@ -21,6 +21,7 @@ from medgraph.embed.tables import (
     Shard,
     ShardsNotCurrentError,
     embed_shard,
+    embed_table,
     merge_shards,
     read_embeddings,
     shard_path,
@@ -199,3 +200,32 @@ def test_shard_count_is_a_setting_and_one_shard_is_the_unsharded_graph():
                               for t in ("node_embeddings", "node_description_embeddings", "edge_embeddings")}
     assert two[EDGE_SHARDS].partitions_def.get_partition_keys() == ["0", "1"]
     assert set(two[EDGES].asset_deps[EDGES]) == {EDGE_SHARDS}
+
+
+def test_shards_and_merge_on_an_s3_lake(tmp_path: Path, s3_server: str, aws_env, encoder: Encoder):
+    """The same on an S3 lake (moto over HTTP): shard objects beside the table, the merge equal to one whole run."""
+    import boto3
+
+    from resources.warehouse import S3Access
+
+    bucket = "medgraph-shards"
+    boto3.client("s3", endpoint_url=s3_server).create_bucket(Bucket=bucket)
+    warehouse = WarehouseResource(home=str(tmp_path), lake=f"s3://{bucket}/lake",
+                                  s3=S3Access(endpoint_url=s3_server)).get_warehouse()
+    with warehouse.connect() as con:
+        con.execute("CREATE SCHEMA kg")
+        con.execute("CREATE TABLE kg.kg_node_text AS SELECT 'C' || lpad(i::VARCHAR, 7, '0') AS cui, "
+                    "'concept ' || i || repeat(' word', i % 7) AS text FROM range(30) AS r(i)")
+    source = EMBEDDING_SOURCES["node_embeddings"]
+    whole = embed_table(warehouse, source.sql, "whole", encoder, id_column="cui", text_column="text")
+    embed_shards(warehouse, encoder, 2)
+    stats = merge(warehouse, encoder.encoder_id, 2)
+    assert stats.parquet_path == f"s3://{bucket}/lake/embeddings/node_embeddings.parquet" and stats.rows == 30
+    assert warehouse.lake.glob("embeddings", "node_embeddings.shard-*") == [
+        f"s3://{bucket}/lake/embeddings/node_embeddings.shard-{k}-of-2.parquet" for k in range(2)]
+    expected = dict(zip(*read_embeddings(warehouse.lake, "whole")))
+    actual = dict(zip(*read_embeddings(warehouse.lake, "node_embeddings")))
+    assert actual.keys() == expected.keys() and whole.rows == 30
+    for cui, vector in expected.items():
+        np.testing.assert_allclose(actual[cui], vector, atol=1e-5, rtol=0)
+    assert warehouse.count("embeddings.node_embeddings") == 30
