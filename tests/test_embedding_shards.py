@@ -178,6 +178,30 @@ def test_a_merge_of_stale_shards_is_refused_and_keeps_the_previous_table(small_k
         assert con.execute("SELECT count(*) FROM embeddings.node_embeddings").fetchone()[0] == 40
 
 
+def test_a_merge_failing_while_it_publishes_keeps_the_previous_table(small_kg: Warehouse, encoder: Encoder,
+                                                                     monkeypatch: pytest.MonkeyPatch):
+    from medgraph.storage import Lake
+
+    embed_shards(small_kg, encoder, 2)
+    merge(small_kg, encoder.encoder_id, 2)
+    published = small_kg.lake.table_path("embeddings", "node_embeddings")
+    before = published.read_bytes()
+    with small_kg.connect() as con:
+        con.execute("DELETE FROM kg.kg_node_text WHERE cui = (SELECT min(cui) FROM kg.kg_node_text)")
+    embed_shards(small_kg, encoder, 2)
+
+    def failing_install(self, local: Path, path: Path) -> Path:
+        raise OSError("disk full")
+
+    monkeypatch.setattr(Lake, "install", failing_install)
+    with pytest.raises(OSError, match="disk full"):
+        merge(small_kg, encoder.encoder_id, 2)
+    monkeypatch.undo()
+    assert published.read_bytes() == before and small_kg.count("embeddings.node_embeddings") == 40
+    assert not [p.name for p in published.parent.iterdir() if p.name.startswith(".")]
+    assert merge(small_kg, encoder.encoder_id, 2).rows == small_kg.count("embeddings.node_embeddings") == 39
+
+
 def test_resharding_reuses_the_merged_table_and_removes_the_old_shard_files(small_kg: Warehouse, encoder: Encoder):
     embed_shards(small_kg, encoder, 2)
     merge(small_kg, encoder.encoder_id, 2)
