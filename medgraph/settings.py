@@ -145,6 +145,7 @@ class Settings:
     s3_endpoint_url: str | None = None  # an S3-compatible server (MinIO, moto); None = AWS (or AWS_ENDPOINT_URL_S3)
     aws_secret_id: str | None = None  # a Secrets Manager secret holding the AWS keys; None = the AWS chain
     mlflow_artifacts: str = ""  # MEDGRAPH_MLFLOW_ARTIFACTS: where new experiments keep artifacts (s3://...); "" = $MEDGRAPH_HOME/artifacts
+    embedding_shards: int = 1  # MEDGRAPH_EMBEDDING_SHARDS: node/edge embeddings in this many partitions, then merged
 
     @property
     def lake_location(self) -> str:
@@ -170,6 +171,9 @@ def load_settings(env: dict[str, str] | None = None) -> Settings:
     profile = env.get("MEDGRAPH_PROFILE") or "demo"
     if profile not in PROFILES:
         raise ValueError(f"MEDGRAPH_PROFILE must be one of {', '.join(PROFILES)}, got {profile!r}")
+    shards = env.get("MEDGRAPH_EMBEDDING_SHARDS") or "1"
+    if not shards.isdigit() or int(shards) < 1:
+        raise ValueError(f"MEDGRAPH_EMBEDDING_SHARDS must be a whole number >= 1, got {shards!r}")
     return Settings(
         home=home,
         umls_dir=env.get("MEDGRAPH_UMLS_DIR") or None,
@@ -182,4 +186,5 @@ def load_settings(env: dict[str, str] | None = None) -> Settings:
         s3_endpoint_url=env.get("MEDGRAPH_S3_ENDPOINT_URL") or None,
         aws_secret_id=env.get("MEDGRAPH_AWS_SECRET_ID") or None,
         mlflow_artifacts=env.get("MEDGRAPH_MLFLOW_ARTIFACTS") or "",
+        embedding_shards=int(shards),
     )

@@ -10,6 +10,15 @@ S3 lake: uploaded and copied over the table's key). A failure at any point
 leaves the previous table as it was and removes the staging files. Snapshot,
 new vectors and the new table are written on local disk in both cases: pyarrow
 writes them, and only the finished table needs to cross the network.
+
+Past one machine (a full UMLS: ~7M node texts, ~54M triples), a table is embedded
+in shards: `embed_shard` embeds the rows whose id falls in one `Shard` (md5 of
+the id, modulo the shard count: stable across processes, machines and DuckDB
+versions) into its own lake file `<target>.shard-<k>-of-<n>.parquet`, published
+the same way, and `merge_shards` checks that the shard files together hold
+exactly the current source rows, each once, from the configured encoder, and
+publishes their union as the table. Shards run anywhere at once; a failed or
+refused merge leaves the previous table.
 """
 
 from __future__ import annotations
@@ -17,6 +26,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -79,6 +89,45 @@ def embedding_source_sql(target: str, relations: Sequence[str] | None = None) ->
         sql += f" WHERE e.relation IN ({', '.join(sql_literal(r) for r in relations)})"
     return sql
 
+@dataclass(frozen=True)
+class Shard:
+    """Shard `index` of `count`: the rows whose id's md5, read as a number, is `index` modulo `count`."""
+
+    index: int
+    count: int
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.index < self.count:
+            raise ValueError(f"shard index must be in 0..{self.count - 1}, got {self.index}")
+
+    @property
+    def name(self) -> str:
+        return f"{self.index}-of-{self.count}"
+
+    def predicate(self, id_sql: str) -> str:
+        """SQL true for the rows of this shard, `id_sql` being the id expression."""
+        return f"{shard_number_sql(id_sql, self.count)} = {self.index}"
+
+
+def shard_number_sql(id_sql: str, count: int) -> str:
+    """SQL for the shard of an id: the first 15 hex digits of md5(id as text), modulo `count` (in Python:
+    `int(hashlib.md5(str(id).encode()).hexdigest()[:15], 16) % count`)."""
+    return f"(CAST(('0x' || left(md5(CAST({id_sql} AS VARCHAR)), 15)) AS BIGINT) % {int(count)})"
+
+
+def shard_path(lake: Lake | S3Lake, target: str, shard: Shard) -> Path | str:
+    """The lake file of one shard of `embeddings.<target>`."""
+    return lake.file_path(SCHEMA, f"{target}.shard-{shard.name}.parquet")
+
+
+class ShardsNotCurrentError(RuntimeError):
+    """The shard files do not add up to the current source (missing, stale or from another encoder)."""
+
+    def __init__(self, message: str, shards: Sequence[int]):
+        super().__init__(message)
+        self.shards = sorted(shards)
+
+
 @dataclass
 class EmbedStats:
     """What one run of `embed_table` did; becomes Dagster metadata."""
@@ -110,12 +159,31 @@ class EmbedStats:
         }
 
 
-def _snapshot_source(warehouse: Warehouse, source_sql: str, id_column: str, text_column: str, path: Path) -> None:
+@dataclass
+class MergeStats:
+    """What one run of `merge_shards` did; becomes Dagster metadata."""
+
+    rows: int
+    shards: int
+    dim: int
+    encoder_id: str
+    seconds: float
+    table: str
+    parquet_path: str
+
+    def as_metadata(self) -> dict[str, object]:
+        return {"table": self.table, "rows": self.rows, "shards": self.shards, "dim": self.dim,
+                "encoder_id": self.encoder_id, "seconds": round(self.seconds, 3), "parquet_path": self.parquet_path}
+
+
+def _snapshot_source(warehouse: Warehouse, source_sql: str, id_column: str, text_column: str, path: Path,
+                     with_text: bool = True) -> None:
     """Copy (id, text, content_hash) of the source query to a Parquet file, then let go of the warehouse."""
     text = f"coalesce(CAST({quote_ident(text_column)} AS VARCHAR), '')"
+    columns = f"{quote_ident(id_column)} AS id, " + (f"{text} AS text, " if with_text else "")
     with warehouse.connect(read_only=True) as con:
         con.execute(
-            f"COPY (SELECT {quote_ident(id_column)} AS id, {text} AS text, sha256({text}) AS content_hash "
+            f"COPY (SELECT {columns}sha256({text}) AS content_hash "
             f"FROM ({source_sql}) AS source) TO {sql_literal(str(path))} (FORMAT parquet, COMPRESSION zstd)"
         )
 
@@ -186,12 +254,67 @@ def embed_table(
     `batch_size` is the number of rows fetched, embedded and written per step
     (memory stays bounded by it); the model's own batch size is the encoder's.
     """
+    current = warehouse.lake.table_path(SCHEMA, target)
+    stats = _embed_into(warehouse, source_sql, target, current, encoder, id_column=id_column,
+                        text_column=text_column, batch_size=batch_size, progress=progress, reuse_from=reuse_from)
+    warehouse.register_parquet_view(SCHEMA, target, stats.parquet_path)
+    stats.table = f"{SCHEMA}.{target}"
+    return stats
+
+
+def embed_shard(
+    warehouse: Warehouse,
+    source_sql: str,
+    target: str,
+    encoder: Encoder,
+    shard: Shard,
+    *,
+    id_column: str,
+    text_column: str,
+    batch_size: int = 4096,
+    progress: bool = False,
+) -> EmbedStats:
+    """Bring the lake file of one shard of `embeddings.<target>` up to date with its rows of `source_sql`
+    (`shard_path`; no view: `merge_shards` publishes the table).
+
+    Incremental like `embed_table`: vectors are reused from the shard's previous file, or, on the first
+    sharded run, from the rows of the current table that fall in this shard, so going from one shard to
+    several re-embeds nothing that is unchanged.
+    """
+    lake = warehouse.lake
+    out = shard_path(lake, target, shard)
+    previous = out if lake.exists(out) else lake.table_path(SCHEMA, target)
+    sharded_sql = (f"SELECT * FROM ({source_sql}) AS unsharded "
+                   f"WHERE {shard.predicate(quote_ident(id_column))}")
+    return _embed_into(warehouse, sharded_sql, f"{target}.shard-{shard.name}", out, encoder, id_column=id_column,
+                       text_column=text_column, batch_size=batch_size, progress=progress, previous=previous,
+                       previous_filter=shard.predicate("id"))
+
+
+def _embed_into(
+    warehouse: Warehouse,
+    source_sql: str,
+    name: str,
+    out: Path | str,
+    encoder: Encoder,
+    *,
+    id_column: str,
+    text_column: str,
+    batch_size: int,
+    progress: bool,
+    reuse_from: Sequence[str] = (),
+    previous: Path | str | None = None,
+    previous_filter: str = "",
+) -> EmbedStats:
+    """Write the embedding rows of `source_sql` to the lake file `out` (atomically), reusing the rows of
+    `previous` (default: `out` itself; `previous_filter`: only its rows matching this SQL condition) whose id,
+    text and encoder are unchanged. `name` names scratch files and log lines."""
     started = time.perf_counter()
     lake: Lake | S3Lake = warehouse.lake
-    current = lake.table_path(SCHEMA, target)
-    snapshot = lake.scratch_path(SCHEMA, f"{target}.source")
-    new_vectors = lake.scratch_path(SCHEMA, f"{target}.new")
-    staging = lake.scratch_path(SCHEMA, target)
+    previous = out if previous is None else previous
+    snapshot = lake.scratch_path(SCHEMA, f"{name}.source")
+    new_vectors = lake.scratch_path(SCHEMA, f"{name}.new")
+    staging = lake.scratch_path(SCHEMA, name)
     encoder_id = sql_literal(encoder.encoder_id)
     try:
         _snapshot_source(warehouse, source_sql, id_column, text_column, snapshot)
@@ -200,10 +323,11 @@ def embed_table(
             rows, distinct, null_ids = con.execute(
                 "SELECT count(*), count(DISTINCT id), count(*) FILTER (WHERE id IS NULL) FROM src").fetchone()
             if null_ids or distinct != rows:
-                raise ValueError(f"{target}: {id_column} must be unique and not null in the source query "
+                raise ValueError(f"{name}: {id_column} must be unique and not null in the source query "
                                  f"({rows - distinct} duplicate, {null_ids} null)")
-            if lake.exists(current):
-                con.execute(f"CREATE VIEW old AS SELECT * FROM read_parquet({sql_literal(str(current))})")
+            if lake.exists(previous):
+                where = f" WHERE {previous_filter}" if previous_filter else ""
+                con.execute(f"CREATE VIEW old AS SELECT * FROM read_parquet({sql_literal(str(previous))}){where}")
             else:
                 con.execute("CREATE VIEW old AS SELECT id, content_hash, '' AS encoder_id, "
                             "[]::FLOAT[] AS embedding FROM src LIMIT 0")
@@ -211,7 +335,7 @@ def embed_table(
             con.execute(f"CREATE VIEW reusable AS SELECT o.* FROM old AS o SEMI JOIN src AS s "
                         f"ON o.id = s.id AND o.content_hash = s.content_hash WHERE o.encoder_id = {encoder_id}")
             donors = [lake.table_path(SCHEMA, other) for other in reuse_from
-                      if other != target and lake.exists(lake.table_path(SCHEMA, other))]
+                      if other != name and lake.exists(lake.table_path(SCHEMA, other))]
             if donors:
                 files = ", ".join(sql_literal(str(p)) for p in donors)
                 con.execute(f"CREATE VIEW donors AS SELECT content_hash, any_value(embedding) AS embedding "
@@ -237,20 +361,96 @@ def embed_table(
             columns = f"id, content_hash, encoder_id, CAST(embedding AS FLOAT[{encoder.dim}]) AS embedding"
             written = _write_table(con, f"SELECT {columns} FROM ({' UNION ALL '.join(parts)})", encoder.dim, staging)
         if written != rows:
-            raise RuntimeError(f"{target}: wrote {written} rows, the source has {rows}")
-        final = lake.install(staging, current)
+            raise RuntimeError(f"{name}: wrote {written} rows, the source has {rows}")
+        final = lake.install(staging, out)
     finally:
         for path in (snapshot, new_vectors, staging):
             lake.discard(path)
-    warehouse.register_parquet_view(SCHEMA, target, final)
     stats = EmbedStats(
         embedded=rows - reused, reused=reused, removed=removed, rows=rows, dim=encoder.dim,
         seconds=time.perf_counter() - started, encode_seconds=encode_seconds,
-        table=f"{SCHEMA}.{target}", encoder_id=encoder.encoder_id, parquet_path=str(final),
+        table=name, encoder_id=encoder.encoder_id, parquet_path=str(final),
     )
     log.info("%s: %d rows, %d embedded, %d reused, %d removed in %.1fs",
-             stats.table, rows, stats.embedded, reused, removed, stats.seconds)
+             name, rows, stats.embedded, reused, removed, stats.seconds)
     return stats
+
+
+def merge_shards(
+    warehouse: Warehouse,
+    source_sql: str,
+    target: str,
+    encoder_id: str,
+    shards: int,
+    *,
+    id_column: str,
+    text_column: str,
+) -> MergeStats:
+    """Publish the union of the `shards` shard files of `embeddings.<target>` as the table and its view.
+
+    Refused (`ShardsNotCurrentError`, the previous table left as it was) unless the shard files hold
+    exactly the rows of `source_sql` as it is now (same ids and texts, each once) embedded by `encoder_id`:
+    a shard embedded before the source changed, or one left over from another shard count, never
+    reaches the table. The error names the shards to embed again. After a merge, shard files of other
+    shard counts are removed."""
+    started = time.perf_counter()
+    lake: Lake | S3Lake = warehouse.lake
+    parts = [Shard(k, shards) for k in range(shards)]
+    paths = {shard.index: shard_path(lake, target, shard) for shard in parts}
+    missing = [k for k, path in paths.items() if not lake.exists(path)]
+    if missing:
+        raise ShardsNotCurrentError(f"{target}: shards {_names(missing, shards)} have no file yet", missing)
+    snapshot = lake.scratch_path(SCHEMA, f"{target}.merge.source")
+    staging = lake.scratch_path(SCHEMA, target)
+    number = shard_number_sql("id", shards)
+    try:
+        _snapshot_source(warehouse, source_sql, id_column, text_column, snapshot, with_text=False)
+        with ExitStack() as stack:
+            local = [stack.enter_context(lake.local_copy(paths[k], stable=True)) for k in sorted(paths)]
+            con = stack.enter_context(warehouse.scratch())
+            files = ", ".join(sql_literal(str(p)) for p in local)
+            con.execute(f"CREATE VIEW src AS SELECT * FROM read_parquet({sql_literal(str(snapshot))})")
+            con.execute(f"CREATE VIEW shards AS SELECT * FROM read_parquet([{files}])")
+            rows = con.execute("SELECT count(*) FROM src").fetchone()[0]
+            # Per shard, on ids and hashes (not vectors): source rows absent or with another text, rows not in
+            # the source (a removed id, an old text) or there twice, rows of another encoder.
+            bad = con.execute(f"""
+                SELECT shard, sum(missing), sum(extra), sum(foreign_encoder) FROM (
+                    SELECT {number} AS shard, 1 AS missing, 0 AS extra, 0 AS foreign_encoder
+                    FROM src ANTI JOIN shards USING (id, content_hash)
+                    UNION ALL SELECT {number}, 0, 1, 0 FROM shards ANTI JOIN src USING (id, content_hash)
+                    UNION ALL SELECT {number}, 0, count(*) - 1, 0 FROM shards GROUP BY id HAVING count(*) > 1
+                    UNION ALL SELECT {number}, 0, 0, 1 FROM shards WHERE encoder_id <> {sql_literal(encoder_id)}
+                ) GROUP BY shard ORDER BY shard
+            """).fetchall()
+            if bad:
+                detail = "; ".join(f"shard {k}-of-{shards}: {m} source rows missing or changed, {x} rows not in "
+                                   f"the source or repeated, {f} from another encoder" for k, m, x, f in bad)
+                raise ShardsNotCurrentError(
+                    f"{target}: the shard files are not the current source embedded by {encoder_id} ({detail}); "
+                    f"embed shards {_names([k for k, *_ in bad], shards)} again", [k for k, *_ in bad])
+            dim = pq.read_schema(local[0]).field("embedding").type.list_size
+            columns = f"id, content_hash, encoder_id, CAST(embedding AS FLOAT[{dim}]) AS embedding"
+            written = _write_table(con, f"SELECT {columns} FROM shards", dim, staging)
+        if written != rows:
+            raise RuntimeError(f"{target}: merged {written} rows, the source has {rows}")
+        final = lake.install(staging, lake.table_path(SCHEMA, target))
+    finally:
+        for path in (snapshot, staging):
+            lake.discard(path)
+    warehouse.register_parquet_view(SCHEMA, target, final)
+    current = {str(p) for p in paths.values()}
+    for stale in lake.glob(SCHEMA, f"{target}.shard-*-of-*.parquet"):
+        if str(stale) not in current:
+            lake.remove(stale)
+    stats = MergeStats(rows=rows, shards=shards, dim=dim, encoder_id=encoder_id,
+                       seconds=time.perf_counter() - started, table=f"{SCHEMA}.{target}", parquet_path=str(final))
+    log.info("%s: merged %d shards, %d rows in %.1fs", stats.table, shards, rows, stats.seconds)
+    return stats
+
+
+def _names(indexes: Sequence[int], count: int) -> str:
+    return ", ".join(f"{k}-of-{count}" for k in indexes)
 
 
 def embed_source(warehouse: Warehouse, target: str, encoder: Encoder, **options: object) -> EmbedStats:
