@@ -84,18 +84,24 @@ def table_rows(home: Path, tables: tuple[str, ...]) -> dict[str, int]:
     return rows
 
 
-def run_size(rows_in: int, workdir: Path) -> list[Step]:
+def run_size(rows_in: int, workdir: Path, only: set[str] | None = None) -> list[Step]:
+    """Every step at one size in a fresh home; with `only`, just those steps in the home an earlier run left."""
     base = workdir / f"r{rows_in}"
-    shutil.rmtree(base, ignore_errors=True)
-    base.mkdir(parents=True)
     release, home = base / "release", base / "home"
     env = {**os.environ, "MEDGRAPH_HOME": str(home), "MEDGRAPH_UMLS_DIR": str(release), "MEDGRAPH_PROFILE": "full"}
     steps = []
-    seconds, rss, rc = measured(
-        [PYTHON, "-c", (f"from medgraph.umls.synthetic import write_synthetic_release as w; "
-                        f"w({str(release)!r}, {rows_in})")], env, base / "release.log")
-    steps.append(Step(rows_in, "release", seconds, rss, disk_mb(release), {}, rc))
+    if only is None:
+        shutil.rmtree(base, ignore_errors=True)
+        base.mkdir(parents=True)
+        seconds, rss, rc = measured(
+            [PYTHON, "-c", (f"from medgraph.umls.synthetic import write_synthetic_release as w; "
+                            f"w({str(release)!r}, {rows_in})")], env, base / "release.log")
+        steps.append(Step(rows_in, "release", seconds, rss, disk_mb(release), {}, rc))
+    elif not home.exists():
+        raise SystemExit(f"--only needs the home of an earlier run at {home}")
     for name, selection, tables in STEPS:
+        if only is not None and name not in only:
+            continue
         seconds, rss, rc = measured([DG, "launch", "-m", "definitions", "--assets", selection], env,
                                     base / f"{name}.log")
         steps.append(Step(rows_in, name, seconds, rss, disk_mb(home), table_rows(home, tables), rc))
@@ -103,6 +109,8 @@ def run_size(rows_in: int, workdir: Path) -> list[Step]:
               f"{steps[-1].rows}", flush=True)
         if rc != 0:
             print(f"  step {name} failed: see {base / f'{name}.log'}", flush=True)
+    if only is not None and "query" not in only:
+        return steps
     # Query time at this size: entity linking, one-hop (the CSR index is built here), GSRM, text search.
     latency = base / "query_latency.json"
     seconds, rss, rc = measured([PYTHON, str(ROOT / "benchmarks" / "query_latency.py"), "--questions", "30",
@@ -185,8 +193,19 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--mrrel-rows", type=int, nargs="+", required=True)
     parser.add_argument("--work-dir", type=Path, default=ROOT / "benchmarks" / "_work" / "scale_run")
+    parser.add_argument("--only", help="comma-separated steps to run again in the homes of an earlier run "
+                        f"({', '.join([*(name for name, _, _ in STEPS), 'query'])}); their rows replace the "
+                        "earlier ones in scale_run.json")
     args = parser.parse_args()
-    steps = [step for rows_in in sorted(args.mrrel_rows) for step in run_size(rows_in, args.work_dir)]
+    only = set(args.only.split(",")) if args.only else None
+    steps = [step for rows_in in sorted(args.mrrel_rows) for step in run_size(rows_in, args.work_dir, only)]
+    saved = args.work_dir / "scale_run.json"
+    if only is not None and saved.exists():  # keep the earlier steps that were not run again
+        fresh = {(s.rows_in, s.step) for s in steps}
+        earlier = [Step(**row) for row in json.loads(saved.read_text())["steps"]]
+        order = ["release", *(name for name, _, _ in STEPS), "query"]
+        steps = sorted([s for s in earlier if (s.rows_in, s.step) not in fresh] + steps,
+                       key=lambda s: (s.rows_in, order.index(s.step)))
     growth = exponents(steps)
     for row in growth:
         print(f"{row['step']:<8} {row['from']:,} -> {row['to']:,}: time x^{row['time_exponent']}, "

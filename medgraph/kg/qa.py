@@ -983,14 +983,25 @@ def _intersection_drafts(graph: _Graph, rng: random.Random, attempts: int = 3) -
 
 
 def _answers(graph: _Graph, rng: random.Random) -> Iterator[str]:
-    """Every nameable concept with an edge, in a pseudo-random order drawn from `rng`; the neighbourhoods of
-    each batch read together."""
+    """The concepts an intersection can be asked about, in a pseudo-random order drawn from `rng`: nameable,
+    with seed objects (nameable, no hub) under two usable relations, or two under one; the neighbourhoods
+    of each batch read together.
+
+    The same as every nameable concept with an edge, less those `_intersection_drafts` would skip at once
+    (without drawing from `rng`): DuckDB drops them in one pass. On a synthetic 10M-MRREL release most
+    concepts are such, and reading their neighbourhoods was most of question generation's time.
+    """
     sql = """
         SELECT e.cui AS a, NULL AS b, row_number() OVER (ORDER BY md5($salt || e.cui), e.cui) AS rank
-        FROM (SELECT DISTINCT src_cui AS cui FROM kg.kg_edges WHERE src_cui <> dst_cui) e
+        FROM (SELECT e.src_cui AS cui FROM kg.kg_edges e JOIN qa_concepts o ON o.cui = e.dst_cui
+              WHERE e.src_cui <> e.dst_cui AND NOT o.ambiguous AND o.degree <= $max_degree
+                AND NOT list_contains($skip, e.relation)
+              GROUP BY e.src_cui HAVING count(DISTINCT e.relation) >= 2 OR count(DISTINCT e.dst_cui) >= 2) e
         JOIN qa_concepts q ON q.cui = e.cui WHERE NOT q.ambiguous
     """
-    for page in _ranked_pages(graph, sql, {"salt": f"{rng.getrandbits(64):016x}"}, _BATCH):
+    params = {"salt": f"{rng.getrandbits(64):016x}", "max_degree": graph.limits.max_degree,
+              "skip": sorted(graph.limits.skip_relations)}
+    for page in _ranked_pages(graph, sql, params, _BATCH):
         graph.prefetch({cui for cui, _ in page}, adjacency_levels=2, concept_levels=3, expand_hubs=False)
         yield from (cui for cui, _ in page)
 
