@@ -9,9 +9,10 @@ split (kgqa_mc and kgqa_short alternately), after one warm-up question. Stages, 
   the dictionary matcher over every KG name, exact option names); the one-off dictionary build is printed
   apart (it is paid once per process);
 - `one_hop`: the 1-hop triples of those concepts (the CSR index; its one-off load is printed apart);
-- `gsrm`: A2RAG's GSRM with the item's type's tau / K / N (query encoding, hops, triple scoring; triples
+- `gsrm_cold`: A2RAG's GSRM with default tau / K / N (query encoding, hops, triple scoring; triples
   missing from `embeddings.edge_embeddings` and from the home's vector cache are encoded on the fly and
-  cached, as the evaluation does: `triples_encoded_on_the_fly` says how many; a second run is warm);
+  cached, as the evaluation does: `triples_encoded_on_the_fly` says how many); `gsrm_warm`: the same
+  questions again once every triple they reach has a vector (a home whose edges are all embedded);
 - `text_search`: hybrid BM25 + dense search of the corpus, when `embeddings.chunk_embeddings` exists.
 Prints p50 / p95 / max per stage, the home's sizes and the process peak RSS; `--json` writes them.
 """
@@ -67,7 +68,8 @@ def main() -> None:
         _ = retriever.graph.index
         one_off["graph_index_load_s"] = time.perf_counter() - started
         has_chunks = warehouse.exists("embeddings", "chunk_embeddings")
-        timings: dict[str, list[float]] = {"entity_linking": [], "one_hop": [], "gsrm": [], "text_search": []}
+        timings: dict[str, list[float]] = {"entity_linking": [], "one_hop": [], "gsrm_cold": [], "gsrm_warm": [],
+                                           "text_search": []}
         for n, item in enumerate(items):  # the first is a warm-up
             stage: dict[str, float] = {}
             started = time.perf_counter()
@@ -78,7 +80,7 @@ def main() -> None:
             stage["one_hop"] = time.perf_counter() - started
             started = time.perf_counter()
             gsrm_items(tools, [item], config)
-            stage["gsrm"] = time.perf_counter() - started
+            stage["gsrm_cold"] = time.perf_counter() - started
             if has_chunks:
                 started = time.perf_counter()
                 retriever.search_text([item.question], k=10)
@@ -86,6 +88,12 @@ def main() -> None:
             if n:
                 for name, seconds in stage.items():
                     timings[name].append(seconds)
+        # Warm: every triple of these subgraphs has its vector now, as in a home whose edges are all embedded
+        # (a full release's edge_embeddings take days on 2 cores, so the scale run cannot store them).
+        for item in items[1:]:
+            started = time.perf_counter()
+            gsrm_items(tools, [item], config)
+            timings["gsrm_warm"].append(time.perf_counter() - started)
     result = {
         "home": str(load_settings().home), **sizes, "questions": len(items) - 1, **one_off,
         "triples_encoded_on_the_fly": tools.triples_encoded,

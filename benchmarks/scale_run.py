@@ -113,7 +113,7 @@ def run_size(rows_in: int, workdir: Path, only: set[str] | None = None) -> list[
         return steps
     # Query time at this size: entity linking, one-hop (the CSR index is built here), GSRM, text search.
     latency = base / "query_latency.json"
-    seconds, rss, rc = measured([PYTHON, str(ROOT / "benchmarks" / "query_latency.py"), "--questions", "30",
+    seconds, rss, rc = measured([PYTHON, str(ROOT / "benchmarks" / "query_latency.py"), "--questions", "10",
                                  "--json", str(latency)], env, base / "query.log")
     stages = json.loads(latency.read_text())["stages"] if rc == 0 and latency.exists() else {}
     steps.append(Step(rows_in, "query", seconds, rss, disk_mb(home),
