@@ -162,3 +162,13 @@ def test_kubernetes_values_and_compose_describe_the_same_services():
     llm = compose["services"]["dagster-webserver"]["environment"]["MEDGRAPH_LLM"]
     assert llm == "openai:qwen2.5-7b-instruct@http://vllm:8000/v1"
     assert "--served-model-name qwen2.5-7b-instruct" in compose["services"]["vllm"]["command"]
+
+
+def test_every_variable_the_ecs_launcher_passes_on_is_set_in_compose():
+    """The ECS run launcher copies each listed variable from the daemon's environment into run tasks and fails
+    the launch when one is unset: MEDGRAPH_ENCODER was listed but not set."""
+    launcher = yaml.safe_load((PRODUCTION / "dagster.yaml").read_text())["run_launcher"]["config"]
+    listed = {name.split("=")[0] for name in launcher["env_vars"]}
+    compose = yaml.safe_load((PRODUCTION / "compose.yaml").read_text())
+    for service in ("dagster-webserver", "dagster-daemon"):
+        assert listed <= set(compose["services"][service]["environment"]), service
