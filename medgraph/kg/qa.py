@@ -113,6 +113,10 @@ class QaLimits:
     # A short answer is asked only where picking a random concept near the question concepts (within the
     # item's hops) finds a correct one with probability at most this: structure alone must not answer it.
     max_adjacency_chance: float = 0.1
+    # Intersections are rare on some graphs (a synthetic release: about one per few hundred concepts tried);
+    # trying every concept made generation time grow with the graph. Past this many tries the 2-hop short
+    # answers come from chains alone. The demo KG (7k concepts) never reaches it.
+    max_intersection_tries: int = 50_000
 
 
 # --------------------------------------------------------------------------- the graph, read in batches
@@ -931,7 +935,7 @@ def _intersection_drafts(graph: _Graph, rng: random.Random, attempts: int = 3) -
     The gold path runs e1 -> answer -> e2 through the answer.
     """
     limits = graph.limits
-    for answer in _answers(graph, rng):
+    for answer in itertools.islice(_answers(graph, rng), limits.max_intersection_tries):
         constraints: dict[str, list[str]] = {}
         for relation, objects in sorted(graph.out[answer].items()):
             seeds = [o for o in objects if graph.is_seed(o)]
