@@ -66,11 +66,11 @@ def describe_pool_holders(instance: dg.DagsterInstance, pool: str, waiting_run_i
             where = f"process {process[0]} on this machine, {alive}"
         since = f", since {time.strftime('%H:%M:%S', time.localtime(process[1]))}" if process else ""
         described.append(f"held by run {slot.run_id} ({job}step {slot.step_key}, {status}{since}, {where})")
-    how = ("this run starts when it ends. To stop waiting: end that run (Dagster UI > Runs > Terminate, or "
+    how = ("This run starts when it ends. To stop waiting: end that run (Dagster UI > Runs > Terminate, or "
            "kill its process); a run whose process is gone is marked failed and its slot freed by the next run "
            "that waits, or now by `python -m jobs.recovery`")
     if not local:
-        how = ("this run starts when it ends. To stop waiting: terminate that run in the Dagster UI; the daemon's "
+        how = ("This run starts when it ends. To stop waiting: terminate that run in the Dagster UI; the daemon's "
                "run monitoring frees the slots of runs whose worker died")
     return f"pool {pool} ({limit}): " + "; ".join(described) + f". {how}."
 
