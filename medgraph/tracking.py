@@ -544,11 +544,13 @@ class Tracking:
         return candidate if candidate != location else None
 
     @contextmanager
-    def model_files(self, model_uri: str) -> Iterator[ModelFiles]:
+    def model_files(self, model_uri: str, what_to_do: str = "") -> Iterator[ModelFiles]:
         """A local directory with the files of a registered or logged model, for reading only: the home's
         own copy of them, else the folder the registry names, else (remote artifacts) a private temporary
         download that is deleted afterwards. Nothing is ever written next to the registered artifacts
-        (MLflow's own `models:/` download writes `registered_model_meta` there)."""
+        (MLflow's own `models:/` download writes `registered_model_meta` there). Files that cannot be found are
+        a ModelUnavailableError that says where it looked and what to do (`what_to_do` adds the caller's way)."""
+        hint = f"; {what_to_do}" if what_to_do else ""
         label, location, experiment_id = self._artifact_location(model_uri)
         shown = redact_uri(location)
         local = _local_path(location)
@@ -560,7 +562,7 @@ class Tracking:
                 raise ModelUnavailableError(
                     f"{label}: its files are missing: no MLmodel in {where} (registered at {shown}). Restore that "
                     f"folder (a copied or moved MEDGRAPH_HOME keeps it under artifacts/), or train and register the "
-                    f"model again")
+                    f"model again{hint}")
             yield ModelFiles(model_uri, label, shown, path)
             return
         import tempfile
@@ -573,13 +575,13 @@ class Tracking:
                 raise
             except Exception as error:  # noqa: BLE001 - named with the model and what to do
                 raise ModelUnavailableError(f"{label}: cannot download its files from {shown} "
-                                            f"({redact_uri(str(error))})") from None
+                                            f"({redact_uri(str(error))}){hint}") from None
             yield ModelFiles(model_uri, label, shown, Path(path))
 
     def load_model(self, model_uri: str, load: Any, *, what_to_do: str = "") -> Any:
         """`load(local_dir)` over `model_files(model_uri)`; a model that cannot be read is a ModelUnavailableError
         naming the model, its files and what to do (`what_to_do` adds the caller's way around it)."""
-        with self.model_files(model_uri) as files:
+        with self.model_files(model_uri, what_to_do) as files:
             try:
                 return load(str(files.path))
             except Exception as error:  # noqa: BLE001 - a raw MlflowException / SafetensorError named nothing

@@ -227,10 +227,12 @@ def test_loading_a_model_writes_nothing_and_missing_files_are_named(tmp_path: Pa
     shutil.rmtree(original / "artifacts")
     elsewhere = Tracking(f"sqlite:///{moved / 'mlflow.db'}", str(moved / "artifacts"))
     with pytest.raises(ModelUnavailableError) as missing:
-        elsewhere.load_model("models:/medgraph-gat@champion", lambda path: mlflow.pytorch.load_model(path))
+        elsewhere.load_model("models:/medgraph-gat@champion", lambda path: mlflow.pytorch.load_model(path),
+                             what_to_do="or do without it")
     message = str(missing.value)
     assert message.startswith("medgraph-gat v1 (models:/medgraph-gat@champion): its files are missing: no MLmodel in "
                               f"{original / 'artifacts' / 'gat_model'}")
     assert f"nor {moved / 'artifacts' / 'gat_model'}" in message and "Restore that folder" in message
+    assert message.endswith("or train and register the model again; or do without it")
     with pytest.raises(ModelUnavailableError, match="models:/medgraph-gat/7 is not registered"):
         elsewhere.load_model("models:/medgraph-gat/7", lambda path: None)
