@@ -12,6 +12,7 @@ from collections.abc import Iterator
 import pytest
 from conftest import copy_warehouse
 
+from medgraph.eval.evaluate import method_statistics
 from medgraph.eval.questions import QaItem
 from medgraph.llm.base import Conversation
 from medgraph.llm.scripted import ScriptedChatModel
@@ -122,6 +123,7 @@ def test_traverse_goes_concept_to_chunk_to_concept(env: GraphR1Env):
     # From a concept found through the chunk, back into the KG.
     step = env.step(state, f"<think>the drug</think><traverse>{AMLODIPINE}</traverse>")
     assert f"amlodipine ({AMLODIPINE}) -" in step.observation and state.chunk_aliases["c_trial"] == trial
+    assert state.visited == [HYPERTENSION, AMLODIPINE]  # concepts walked from, not chunks
 
 
 def test_analyze_returns_chunk_text_capped_and_concept_texts(env: GraphR1Env):
@@ -185,6 +187,10 @@ def test_evidence_recall_counts_an_analyzed_chunk_only_within_what_was_shown(ret
     (long,) = run_method("graph-r1", [TREAT], tools, ScriptedChatModel(cut), config)
     assert "c_long" in long.evidence.chunks and not long.evidence.triples
     assert long.gold_fact_seen == 0.0  # amlodipine comes after the 200 characters shown
+    # The report's "visited the named concept" rate: trial only searched and read a chunk; long walked from
+    # hypertension, the concept the question names.
+    assert (trial.stats["visited_named_concept"], long.stats["visited_named_concept"]) == (False, True)
+    assert method_statistics([trial, long])["visited_named_concept_rate"] == 0.5
 
 
 def test_expert_demonstration_reads_the_chunk_that_holds_the_gold_evidence(retriever: Retriever):

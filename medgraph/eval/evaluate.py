@@ -123,6 +123,9 @@ def method_statistics(results: Sequence[MethodResult]) -> dict[str, float]:
         stats["steps_mean"] = float(np.mean([len(r.steps) for r in results]))
         actions = [s.action for r in results for s in r.steps]
         stats.update(_shares(actions, "action_share/"))
+        visited = [bool(r.stats["visited_named_concept"]) for r in results if "visited_named_concept" in r.stats]
+        if visited:  # traversed or analyzed a concept the question names
+            stats["visited_named_concept_rate"] = float(np.mean(visited))
     for key in ("gsrm_gold_recall", "gsrm_iterations", "gsrm_returned"):
         values = [float(r.stats[key]) for r in results if r.stats.get(key) is not None]
         if values:

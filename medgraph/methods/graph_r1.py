@@ -146,6 +146,7 @@ class GraphR1State:
     prompt_turns: int = 2  # messages before the policy's first turn (system, [demonstration], question)
     turns: int = 0
     nodes: set[str] = field(default_factory=set)  # CUIs returned by searches and traversals
+    visited: list[str] = field(default_factory=list)  # CUIs traversed or analyzed, in order
     chunk_refs: dict[str, str] = field(default_factory=dict)  # "T1" -> chunk id, in order of first showing
     chunk_aliases: dict[str, str] = field(default_factory=dict)  # chunk id -> "T1"
     actions: list[str] = field(default_factory=list)
@@ -320,6 +321,7 @@ class GraphR1Env:
             if not target:
                 outcomes.append(_Outcome(f"(no concept or text {argument!r}; use a CUI or T-number from a search)"))
             elif target[0].kind == "concept":
+                state.visited.append(target[0].id)
                 outcomes.append(self._traverse_concept(state, target[0].id, by_source.get(target[0].id, []),
                                                        mentioning.get(target[0].id, []), titled))
             else:
@@ -377,6 +379,7 @@ class GraphR1Env:
             shown, lines, retrieved = EvidenceSeen(), [], []
             for ref in target:
                 if ref.kind == "concept" and ref.id in texts:
+                    state.visited.append(ref.id)
                     text = _cut(texts[ref.id], self.config.analyze_chars)
                     shown.add_concept_text(ref.id, text)
                     lines.append(f"{ref.id}: {text}")
@@ -520,4 +523,7 @@ class GraphR1:
             "well_formed_turns": sum(state.well_formed), "format_ok": all(state.well_formed),
             "nodes_seen": len(state.nodes), "chunks_seen": len(state.chunk_refs),
         }
+        named = set(item.extra.get("seed_cuis") or ())
+        if named:  # did the agent walk from the concept the question names (found by an exact-name search)?
+            stats["visited_named_concept"] = bool(named & set(state.visited))
         return finish_result(self.name, item, reply, steps, stats, seen)
