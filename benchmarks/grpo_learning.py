@@ -51,7 +51,7 @@ def main() -> None:
     from medgraph.rl.grpo import GrpoConfig, train_grpo, training_curves_figure
     from medgraph.rl.model import load_trainable
     from medgraph.rl.policy import download_checkpoint
-    from medgraph.rl.rollout import generation_config, rollout
+    from medgraph.rl.rollout import greedy_episodes
     from medgraph.rl.sft import load_qa_items
     from medgraph.settings import load_settings
     from medgraph.storage import open_warehouse
@@ -77,13 +77,9 @@ def main() -> None:
           f"{config.minibatches} mini-batches", flush=True)
 
     def per_question(policy, env) -> list:
-        """Greedy episodes on the validation questions, one trajectory per question (rollout.evaluate's)."""
-        generation = generation_config(env.config.max_new_tokens, temperature=0.0)
-        trajectories = []
+        """Greedy episodes on the validation questions, one trajectory per question (as rollout.evaluate runs them)."""
         with autocast(policy.device, config.bf16, generation=True):
-            for start in range(0, len(valid), config.eval_batch_size):
-                trajectories += rollout(policy, env, valid[start:start + config.eval_batch_size], 1, generation).trajectories
-        return trajectories
+            return greedy_episodes(policy, env, valid, config.eval_batch_size).trajectories
 
     with Retriever(warehouse, load_encoder(settings.encoder)) as retriever, \
             tracking.start_run("benchmarks/grpo_learning", tags={"sft_model_uri": sft_uri}):

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import hashlib
 import multiprocessing
-from collections.abc import Iterator
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
@@ -12,7 +11,6 @@ import dagster as dg
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
-import torch
 from conftest import copy_warehouse
 
 from medgraph.embed.encoder import Encoder, load_encoder
@@ -121,11 +119,8 @@ def test_edge_embeddings_on_two_shards_equal_the_unsharded_table(kg_warehouse: W
 
 
 @pytest.fixture(scope="module")
-def encoder() -> Iterator[Encoder]:
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield load_encoder("minilm", max_length=32)
-    torch.set_num_threads(previous)
+def encoder(one_torch_thread: None) -> Encoder:
+    return load_encoder("minilm", max_length=32)
 
 
 @pytest.fixture

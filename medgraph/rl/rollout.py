@@ -162,16 +162,23 @@ def validation_key(items: Sequence[QaItem], env_config: GraphR1Config, batch_siz
     return hashlib.sha256(json.dumps(spec, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
+def greedy_episodes(policy: ChatModel, env: GraphR1Env, items: Sequence[QaItem], batch_size: int = 16,
+                    reward: Callable[[GraphR1State], Reward] | None = None) -> Rollouts:
+    """One greedy episode per item, `batch_size` items at a time: the trajectories in item order."""
+    generation = generation_config(env.config.max_new_tokens, temperature=0.0)
+    trajectories: list[Trajectory] = []
+    tokens, seconds, calls = 0, 0.0, 0
+    for start in range(0, len(items), batch_size):
+        batch = rollout(policy, env, items[start:start + batch_size], 1, generation, reward)
+        trajectories += batch.trajectories
+        tokens, seconds, calls = tokens + batch.completion_tokens, seconds + batch.seconds, calls + batch.generate_calls
+    return Rollouts(trajectories, seconds, tokens, calls, summarize(trajectories))
+
+
 def evaluate(policy: ChatModel, env: GraphR1Env, items: Sequence[QaItem], batch_size: int = 16,
              reward: Callable[[GraphR1State], Reward] | None = None) -> dict[str, float]:
     """Greedy episodes over `items` (one per question): mean reward, accuracy, format rate, ...
     keys prefixed with nothing; the caller names the split."""
-    generation = generation_config(env.config.max_new_tokens, temperature=0.0)
-    trajectories: list[Trajectory] = []
-    tokens, seconds = 0, 0.0
-    for start in range(0, len(items), batch_size):
-        batch = rollout(policy, env, items[start:start + batch_size], 1, generation, reward)
-        trajectories += batch.trajectories
-        tokens, seconds = tokens + batch.completion_tokens, seconds + batch.seconds
-    return {**summarize(trajectories), "questions": float(len(items)), "seconds": seconds,
-            "tokens_per_second": tokens / max(seconds, 1e-9)}
+    episodes = greedy_episodes(policy, env, items, batch_size, reward)
+    return {**episodes.stats, "questions": float(len(items)), "seconds": episodes.seconds,
+            "tokens_per_second": episodes.tokens_per_second}
