@@ -460,9 +460,10 @@ def test_sema_rag_stops_when_no_new_query_appears(tools: KnowledgeTools, judgmen
     assert result.stats["early_stop"]
 
 
-def test_sema_rag_reads_the_answer_of_a_cut_report_with_one_short_call(tools: KnowledgeTools):
-    """A report cut at its budget: the answer call gets the short budget (FINAL_ANSWER_TOKENS) every method's
-    cut reply gets, not a second full budget; an answer the cut report states is read without another call."""
+def test_sema_rag_answers_a_cut_report_from_the_evidence(tools: KnowledgeTools):
+    """A report cut at its budget without a stated answer is dropped: the answer call is the direct answer
+    from the evidence (no report in its conversation); an answer the cut report states is read without
+    another call."""
     def reply(conversation: Conversation) -> str:
         if "evidence report" in conversation[-1].content:
             return "Source [1] says amlodipine lowers blood pressure; " * 40
@@ -473,9 +474,11 @@ def test_sema_rag_reads_the_answer_of_a_cut_report_with_one_short_call(tools: Kn
     llm = ScriptedChatModel(reply)
     (result,) = run_method("sema-rag", [TREAT], tools, llm)
     assert [s.action for s in result.steps] == ["i_agent", "retrieve", "e_agent", "a_agent_report", "answer"]
-    assert result.steps[3].completion_tokens == 160 and result.steps[4].completion_tokens == FINAL_ANSWER_TOKENS
+    assert result.steps[3].completion_tokens == 160 and result.steps[4].arguments == {"report": "cut, dropped"}
     assert result.stats["report_cut"] and result.correct and not result.truncated
-    assert llm.calls[-1][0][-2].content == result.steps[3].output  # the answer call follows the cut report
+    answer_prompt = llm.calls[-1][0]
+    assert [m.role for m in answer_prompt] == ["system", "user"]  # the cut report is not in it
+    assert "Evidence:" in answer_prompt[-1].content and "Give the final answer" in answer_prompt[-1].content
 
     def states(conversation: Conversation) -> str:
         if "evidence report" in conversation[-1].content:
@@ -552,6 +555,27 @@ def test_graph_r1_ends_without_an_answer_at_max_steps(env: GraphR1Env):
     assert "last turn" in outcomes[2].observation and state.truncated and state.answer is None
     with pytest.raises(ValueError, match="already done"):
         env.step(state, "<answer>A</answer>")
+
+
+def test_graph_r1_refuses_a_multiple_choice_answer_that_names_no_option(env: GraphR1Env):
+    """An answer naming an option (letter, text) ends the episode; one naming another concept is refused
+    with the option letters while turns remain, and ends the episode unreadable on the last turn."""
+    state = env.reset(TREAT)
+    refused = env.step(state, f"<think>read</think><answer>{HYPERTENSION}</answer>")
+    assert not refused.done and state.answer is None and state.refused_answers == 1
+    assert "not one of the options" in refused.observation and "A, B, C, D" in refused.observation
+    by_text = env.step(state, "<think>amlodipine</think><answer>amlodipine</answer>")
+    assert by_text.done and state.answer == "amlodipine"
+
+    short = env.reset(MECHANISM)  # no options: any answer ends the episode
+    assert env.step(short, "<think>x</think><answer>Hypertension</answer>").done
+
+    last = env.reset(TREAT)
+    for _ in range(3):
+        env.step(last, "<think>again</think><search>hypertension</search>")
+    assert "one option letter: A, B, C, D" in last.messages[-1].content
+    final = env.step(last, "<think>x</think><answer>Hypertension</answer>")
+    assert final.done and last.answer == "Hypertension" and not last.truncated
 
 
 def test_graph_r1_reports_invalid_and_disabled_actions(retriever: Retriever):

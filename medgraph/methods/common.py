@@ -74,7 +74,8 @@ def _normalize_text(text: str) -> str:
     return " ".join(w for w in text.split() if w not in ("a", "an", "the"))
 
 
-_LETTER_ALONE = re.compile(r"^\W*\(?([A-Za-z])\)?\s*(?:[.:)\]]|$)")
+# "B", "(B)", "B. text", "B:" or a letter alone on the reply's first line ("A\n\nThe evidence ...").
+_LETTER_ALONE = re.compile(r"^\W*\(?([A-Za-z])\)?[ \t]*(?:[.:)\]]|\n|$)")
 _ANSWER_IS = re.compile(r"answer\s*(?:is|:|=|-)?\s*(?:option\s*)?\(?\**\s*(?-i:([A-Z]))\b\)?", re.IGNORECASE)
 _CUI = re.compile(r"\bC\d{7}\b", re.IGNORECASE)  # a UMLS concept id, as Graph-R1's observations list them
 

@@ -27,7 +27,9 @@ A reply is `<think>...</think>` followed by exactly one action tag:
                                   concepts it mentions and its most strongly linked chunks
     <analyze>CUI, T1</analyze>    the text of chunks (each cut at `analyze_chunk_chars`) and of
                                   concepts (node texts: name, synonyms, definition, relations)
-    <answer>B</answer>            the final answer; the episode ends
+    <answer>B</answer>            the final answer; the episode ends. For a multiple-choice question an
+                                  answer that names no option (its letter, text or concept id) is
+                                  refused while turns remain, with the option letters in the observation
 Text caps are characters, a proxy for tokens: English biomedical prose runs
 at about 4 characters per token in the tokenizers used here, so the default
 2000 characters per analyzed chunk is the seed's 500 tokens; a cut ends at a
@@ -51,7 +53,7 @@ from medgraph.eval.questions import QaItem
 from medgraph.kg.graph import Node, Triple
 from medgraph.llm.base import ChatModel, Completion, GenerationConfig, Message, assistant, system, user
 from medgraph.methods.agent import Episode, Generate, ToolCall, complete_cut_answer
-from medgraph.methods.common import EvidenceSeen, Step, finish_result, format_question
+from medgraph.methods.common import EvidenceSeen, Step, finish_result, format_question, parse_answer
 from medgraph.retrieval import RetrievedChunk, Retriever
 
 ACTIONS = ("search", "traverse", "analyze", "answer")
@@ -152,6 +154,7 @@ class GraphR1State:
     actions: list[str] = field(default_factory=list)
     well_formed: list[bool] = field(default_factory=list)
     answer: str | None = None  # content of the answer tag
+    refused_answers: int = 0  # answers that named no option of a multiple-choice question
     done: bool = False
     truncated: bool = False  # ended at max_steps without an answer
 
@@ -254,10 +257,19 @@ class GraphR1Env:
         state.well_formed.append(well_formed)
         state.messages.append(assistant(text))
         observation, retrieved, shown = outcome
-        if action == "answer":
+        # A multiple-choice answer must name an option: one that does not (a concept the agent read, not one
+        # of the choices) is refused like an unavailable action while turns remain, so the policy can still
+        # answer; on the last turn it ends the episode unreadable.
+        refused = (action == "answer" and state.item.options and state.turns < self.config.max_steps
+                   and parse_answer(f"<answer>{argument}</answer>", state.item) is None)
+        if action == "answer" and not refused:
             state.answer, state.done = argument, True
             return EnvStep(action, argument, None, True, well_formed)
-        if observation is None:
+        if refused:
+            state.refused_answers += 1
+            observation = (f"{argument!r} is not one of the options. Give the answer with <answer>...</answer> "
+                           f"(one option letter: {', '.join(state.item.options)}).")
+        elif observation is None:
             allowed = ", ".join(f"<{a}>" for a in (*self.config.actions, "answer"))
             observation = (f"Action <{action}> is not available. " if parsed else "No action found. ") + \
                 f"Write <think>...</think> and then one of {allowed}."
@@ -266,7 +278,8 @@ class GraphR1Env:
             state.done = state.truncated = True
             return EnvStep(action, argument, None, True, well_formed, retrieved)
         if state.turns == self.config.max_steps - 1:
-            observation += "\nThis is your last turn: give the answer now with <answer>...</answer>."
+            letters = f" (one option letter: {', '.join(state.item.options)})" if state.item.options else ""
+            observation += f"\nThis is your last turn: give the answer now with <answer>...</answer>{letters}."
         state.messages.append(user(f"<observation>\n{observation}\n</observation>"))
         return EnvStep(action, argument, observation, False, well_formed, retrieved, shown)
 
@@ -522,6 +535,7 @@ class GraphR1:
             "turns": state.turns, "out_of_turns": state.truncated, "actions": state.actions,
             "well_formed_turns": sum(state.well_formed), "format_ok": all(state.well_formed),
             "nodes_seen": len(state.nodes), "chunks_seen": len(state.chunk_refs),
+            "refused_answers": state.refused_answers,
         }
         named = set(item.extra.get("seed_cuis") or ())
         if named:  # did the agent walk from the concept the question names (found by an exact-name search)?

@@ -34,7 +34,7 @@ from typing import Any
 from medgraph.eval.questions import QaItem
 from medgraph.kg.graph import Triple
 from medgraph.llm.base import ChatModel, GenerationConfig, assistant, system, user
-from medgraph.methods.agent import FINAL_ANSWER_TOKENS, Episode, Generate, Request, ToolCall, answer_call
+from medgraph.methods.agent import Episode, Generate, Request, ToolCall, answer_call
 from medgraph.methods.common import (
     EvidenceSeen,
     FinalReply,
@@ -329,22 +329,21 @@ class SemaRag:
                 stats: dict[str, object]) -> Generator[Request, Any, FinalReply]:
         """A-Agent: an evidence report, then one option; without it, a direct answer from the evidence.
 
-        A report cut at its token budget: an answer it states is read; else the answer call gets the short
-        budget every method's cut reply gets (`agent.FINAL_ANSWER_TOKENS`) instead of a second full budget
-        after a report that never finished, and, cut again without an answer, the shared retry
-        (`agent.complete_cut_answer`). With the retry's own prompt straight after the cut report, SmolLM2
-        repeated the report more often (6 of 8 unreadable on validation, against 4 of 8 this way)."""
+        A report cut at its token budget: an answer it states is read; else the report is dropped and the
+        A-Agent answers from the evidence directly (the no-report prompt), and a cut answer gets the shared
+        short retry (`agent.complete_cut_answer`). SmolLM2's cut reports are mostly loops ("The evidence report
+        for the option [1] is: ..." over and over) that it went on repeating when asked for the answer after
+        them, even with the short budget: 6 of 16 validation items unreadable that way (see issue 26's note)."""
         context = _context(item, evidence)
+        direct = [system(SYSTEM), user(f"{context}\n\n{answer_instruction(item)}")]
         if not self.config.use_a_agent:
-            conversation = [system(SYSTEM), user(f"{context}\n\n{answer_instruction(item)}")]
-            return (yield from answer_call(item, conversation, self.generation, steps))
+            return (yield from answer_call(item, direct, self.generation, steps))
         conversation = [system(SYSTEM), user(f"{context}\n\n{A_REPORT}")]
         report = yield Generate(conversation, self.generation)
         cited = sorted({int(n) for n in re.findall(r"\[(\d+)\]", report.text) if 0 < int(n) <= len(evidence.ids)})
         stats["cited_sources"] = cited
         steps.append(step_from_completion(len(steps), "a_agent_report", report, {"cited": cited}))
         stats["report_cut"] = report.finish_reason == "length"
-        answering = self.generation
         if stats["report_cut"]:
             # Only an answer the report states counts (what follows "the answer is" or an answer tag), not the
             # option its survey of the options opens with.
@@ -352,7 +351,7 @@ class SemaRag:
             stated = report.text[statement.start():] if statement else None
             if stated is not None and parse_answer(stated, item) is not None:
                 return FinalReply(stated)
-            answering = self.generation.but(max_new_tokens=FINAL_ANSWER_TOKENS)
+            return (yield from answer_call(item, direct, self.generation, steps, arguments={"report": "cut, dropped"}))
         return (yield from answer_call(item, conversation + [assistant(report.text), user(answer_instruction(item))],
-                                       answering, steps))
+                                       self.generation, steps))
 
