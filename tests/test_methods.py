@@ -30,7 +30,6 @@ from medgraph.methods import (
     trace_rows,
 )
 from medgraph.methods.a2rag import A2Rag, A2RagConfig, gsrm_refine, parse_tool_choice
-from medgraph.methods.agent import FINAL_ANSWER_TOKENS
 from medgraph.methods.common import token_f1
 from medgraph.methods.graph_r1 import GraphR1Config, GraphR1Env, is_well_formed, parse_action, restore_stop
 from medgraph.methods.sema_rag import parse_judgment, parse_schema
