@@ -191,6 +191,7 @@ def test_evidence_recall_counts_an_analyzed_chunk_only_within_what_was_shown(ret
     # hypertension, the concept the question names.
     assert (trial.stats["visited_named_concept"], long.stats["visited_named_concept"]) == (False, True)
     assert method_statistics([trial, long])["visited_named_concept_rate"] == 0.5
+    assert method_statistics([trial, long])["refused_answer_rate"] == 0.0  # both answered "A"
 
 
 def test_expert_demonstration_reads_the_chunk_that_holds_the_gold_evidence(retriever: Retriever):

@@ -17,6 +17,7 @@ import pytest
 import torch
 from conftest import copy_warehouse
 
+from medgraph.eval.evaluate import method_statistics
 from medgraph.eval.questions import QaItem
 from medgraph.kg.graph import Triple
 from medgraph.llm.base import Conversation, GenerationConfig
@@ -475,6 +476,7 @@ def test_sema_rag_answers_a_cut_report_from_the_evidence(tools: KnowledgeTools):
     assert [s.action for s in result.steps] == ["i_agent", "retrieve", "e_agent", "a_agent_report", "answer"]
     assert result.steps[3].completion_tokens == 160 and result.steps[4].arguments == {"report": "cut, dropped"}
     assert result.stats["report_cut"] and result.correct and not result.truncated
+    assert method_statistics([result])["report_cut_rate"] == 1.0
     answer_prompt = llm.calls[-1][0]
     assert [m.role for m in answer_prompt] == ["system", "user"]  # the cut report is not in it
     assert "Evidence:" in answer_prompt[-1].content and "Give the final answer" in answer_prompt[-1].content

@@ -126,6 +126,12 @@ def method_statistics(results: Sequence[MethodResult]) -> dict[str, float]:
         visited = [bool(r.stats["visited_named_concept"]) for r in results if "visited_named_concept" in r.stats]
         if visited:  # traversed or analyzed a concept the question names
             stats["visited_named_concept_rate"] = float(np.mean(visited))
+    # How often a method's fallback acted: Graph-R1's environment refused an answer that named no option,
+    # SEMA-RAG's evidence report was cut at its budget (then dropped unless it stated an answer).
+    for key, name in (("refused_answers", "refused_answer_rate"), ("report_cut", "report_cut_rate")):
+        flags = [bool(r.stats[key]) for r in results if key in r.stats]
+        if flags:
+            stats[name] = float(np.mean(flags))
     for key in ("gsrm_gold_recall", "gsrm_iterations", "gsrm_returned"):
         values = [float(r.stats[key]) for r in results if r.stats.get(key) is not None]
         if values:
