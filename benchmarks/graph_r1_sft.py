@@ -15,7 +15,6 @@ The policy is not registered; compare `--steps 12 --train-items 60` (the demo's)
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import time
 from collections import Counter
@@ -39,7 +38,7 @@ def main() -> None:
     from medgraph.eval.questions import load_mirage
     from medgraph.llm import load_llm
     from medgraph.methods.graph_r1 import GraphR1Env
-    from medgraph.methods.registry import make_config, run_method
+    from medgraph.methods.registry import run_method
     from medgraph.methods.tools import KnowledgeTools
     from medgraph.retrieval import Retriever
     from medgraph.rl.sft import SftConfig, expert_demonstrations, load_qa_items, train_sft
@@ -60,11 +59,9 @@ def main() -> None:
         started = time.perf_counter()
         result = train_sft(base.model_dir, demos.states, config)
         train_s = time.perf_counter() - started
-        environment = {f.name: getattr(config.graph_r1, f.name) for f in dataclasses.fields(config.graph_r1)
-                       if f.name != "actions"}
-        started = time.perf_counter()
-        results = run_method("graph-r1", items, KnowledgeTools(retriever), result.policy,
-                             make_config("graph-r1", environment), batch_size=8)
+        started = time.perf_counter()  # evaluated in the environment it was trained in
+        results = run_method("graph-r1", items, KnowledgeTools(retriever), result.policy, config.graph_r1,
+                             batch_size=8)
         eval_s = time.perf_counter() - started
     n = len(results)
 

@@ -267,8 +267,8 @@ class GraphR1Env:
             return EnvStep(action, argument, None, True, well_formed)
         if refused:
             state.refused_answers += 1
-            observation = (f"{argument!r} is not one of the options. Give the answer with <answer>...</answer> "
-                           f"(one option letter: {', '.join(state.item.options)}).")
+            observation = f"{argument!r} is not one of the options. Give the answer with <answer>...</answer>" \
+                f"{_letters(state.item)}."
         elif observation is None:
             allowed = ", ".join(f"<{a}>" for a in (*self.config.actions, "answer"))
             observation = (f"Action <{action}> is not available. " if parsed else "No action found. ") + \
@@ -278,8 +278,7 @@ class GraphR1Env:
             state.done = state.truncated = True
             return EnvStep(action, argument, None, True, well_formed, retrieved)
         if state.turns == self.config.max_steps - 1:
-            letters = f" (one option letter: {', '.join(state.item.options)})" if state.item.options else ""
-            observation += f"\nThis is your last turn: give the answer now with <answer>...</answer>{letters}."
+            observation += f"\nThis is your last turn: give the answer now with <answer>...</answer>{_letters(state.item)}."
         state.messages.append(user(f"<observation>\n{observation}\n</observation>"))
         return EnvStep(action, argument, observation, False, well_formed, retrieved, shown)
 
@@ -452,6 +451,12 @@ class GraphR1Env:
                          and r not in refs]
             references.append(refs)
         return references
+
+
+def _letters(item: QaItem) -> str:
+    """What an answer tag holds, for the environment's notes: ' (one option letter: A, B, C, D)', or ''
+    for a question without options."""
+    return f" (one option letter: {', '.join(item.options)})" if item.options else ""
 
 
 def _every_relation_first(triples: Sequence[Triple], limit: int) -> list[Triple]:
