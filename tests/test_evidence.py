@@ -25,7 +25,7 @@ from medgraph.kg.graph import Triple
 from medgraph.llm.base import Conversation
 from medgraph.llm.scripted import ScriptedChatModel
 from medgraph.methods import KnowledgeTools, make_config, run_method
-from medgraph.methods.agent import CUT_OFF_NOTE
+from medgraph.methods.agent import CUT_OFF_NOTE, UNREADABLE_NOTE
 from medgraph.methods.common import EvidenceSeen, MethodResult, finish_result
 from medgraph.methods.registry import record_evidence_recall
 from medgraph.retrieval import Retriever
@@ -92,10 +92,11 @@ def test_graph_r1_recall_counts_what_its_observations_showed(tools: KnowledgeToo
 
 
 def test_graph_r1_observation_not_shown_at_the_last_turn_is_not_evidence(tools: KnowledgeTools):
-    script = graph_r1_script(f"<think>edges</think><traverse>{HYPERTENSION}</traverse>")
+    script = graph_r1_script(f"<think>edges</think><traverse>{HYPERTENSION}</traverse>", "<answer>A</answer>")
     (result,) = run_method("graph-r1", [TREAT], tools, ScriptedChatModel(script), make_config("graph-r1", {"max_steps": 1}))
-    assert result.parse_failed and result.stats["out_of_turns"] and result.evidence.empty
-    assert result.gold_fact_seen == 0.0 and not result.extra_answer_call  # not cut: no second call
+    assert result.stats["out_of_turns"] and result.evidence.empty and result.gold_fact_seen == 0.0
+    # Out of turns without an answer: asked once more outside the environment (not cut, so not "truncated").
+    assert result.extra_answer_call and not result.truncated and result.steps[-1].action == "final_answer"
 
 
 class GraphTokenModel(ScriptedChatModel):
@@ -281,12 +282,25 @@ def test_a_reply_cut_and_still_unreadable_is_a_truncated_parse_failure(tools: Kn
     assert len(llm.calls) == 2 and "still no readable answer" in result.steps[-1].notes
 
 
-def test_a_cut_reply_that_already_holds_an_answer_and_an_uncut_unreadable_reply_are_not_retried(tools: KnowledgeTools):
+def test_a_cut_reply_that_already_holds_an_answer_is_not_retried(tools: KnowledgeTools):
     answered_first = ScriptedChatModel(lambda c: "<answer>A</answer> because amlodipine is a calcium channel blocker")
     (cut,) = run_method("cot", [TREAT], tools, answered_first, make_config("cot", {"max_new_tokens": 4}))
-    (unreadable,) = run_method("cot", [TREAT], tools, ScriptedChatModel(lambda c: "No idea."))
-    assert cut.correct and not cut.truncated and len(cut.steps) == 1
-    assert unreadable.parse_failed and not unreadable.truncated and not unreadable.extra_answer_call
+    assert cut.correct and not cut.truncated and len(cut.steps) == 1 and len(answered_first.calls) == 1
+
+
+def test_an_unreadable_reply_is_asked_once_more_constrained_to_the_option_tags(tools: KnowledgeTools):
+    def reply(conversation: Conversation) -> str:
+        return "<answer>A</answer>" if UNREADABLE_NOTE in conversation[-1].content else "No idea."
+    llm = ScriptedChatModel(reply)
+    (result,) = run_method("cot", [TREAT], tools, llm)
+    assert result.correct and result.extra_answer_call and not result.truncated and not result.parse_failed
+    assert [s.action for s in result.steps] == ["answer", "final_answer"]
+    assert "no readable answer" in result.steps[1].notes
+    assert llm.configs[1].choices == tuple(f"<answer>{letter}</answer>" for letter in TREAT.options)
+    assert llm.configs[0].choices == ()  # the method's own answer call is free text
+    still = ScriptedChatModel(lambda c: "No idea.")  # a backend that cannot constrain may still fail to answer
+    (unreadable,) = run_method("cot", [TREAT], tools, still)
+    assert unreadable.parse_failed and unreadable.extra_answer_call and len(still.calls) == 2
 
 
 def test_graph_r1_cut_at_its_last_turn_is_asked_for_the_answer_outside_the_environment(tools: KnowledgeTools):

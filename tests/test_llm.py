@@ -122,6 +122,20 @@ def test_stop_string_ends_the_reply_before_it(smollm2: TransformersChatModel) ->
     assert stopped[1].text == "The capital of France is Paris."  # the other row runs to its own end
 
 
+def test_choices_constrain_the_reply_to_one_of_them(smollm2: TransformersChatModel) -> None:
+    # Greedy SmolLM2 says "Hello there, ..." here: constrained, it must still write one option tag whole.
+    options = ("<answer>A</answer>", "<answer>B</answer>", "<answer>C</answer>")
+    rows = [[user("Say hello.")], [user("Which letter comes first in the alphabet? A, B or C?")]]
+    constrained = smollm2.generate(rows, GREEDY.but(choices=options, max_new_tokens=24))
+    for completion in constrained:
+        assert completion.text in options and completion.finish_reason == "stop"
+        assert completion.completion_tokens == len(smollm2._encode(completion.text))
+    assert constrained[1].text == "<answer>A</answer>"
+    with serve(smollm2, port=0) as server:  # the same choice through vLLM's `guided_choice` over HTTP
+        served = OpenAIChatModel(SMOLLM2, server.url).generate(rows, GREEDY.but(choices=options, max_new_tokens=24))
+    assert [c.text for c in served] == [c.text for c in constrained]
+
+
 def test_finished_rows_leave_the_decode_batch(smollm2: TransformersChatModel) -> None:
     # Prompts are prefilled without padding (the two copies of one prompt compute it once, as a shared start, then
     # their last token together), then decoded as one batch that shrinks as rows end: the stopped row costs no

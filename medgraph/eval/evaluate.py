@@ -57,6 +57,9 @@ class MethodSummary:
     # The answer reply hit its token budget without a readable answer (then asked once more): apart from
     # parse failures, which are the questions left without a readable answer in the end.
     truncation_rate: float = 0.0
+    # Questions whose answer reply held no readable answer (cut, or in no form the parser reads), so that the
+    # model was asked once more for the answer alone (constrained to the option tags for multiple choice).
+    answer_retry_rate: float = 0.0
     # Evidence metrics (`methods.common.evidence_metrics`): the share of the gold facts (the gold edge itself,
     # in either listing, or a text that states it) in the evidence shown to the answering call; the same within
     # its first ten units; whether an answer concept was named there. Each: mean, its standard error of the
@@ -174,6 +177,7 @@ def summarize(results: Sequence[MethodResult]) -> list[MethodSummary]:
             latency_p50_s=float(np.percentile(latencies, 50)), latency_p95_s=float(np.percentile(latencies, 95)),
             extra=method_statistics(group),
             truncation_rate=sum(r.truncated for r in group) / n,
+            answer_retry_rate=sum(r.extra_answer_call for r in group) / n,
             gold_fact_seen=fact_seen[0], gold_fact_seen_se=fact_seen[1], gold_fact_seen_n=fact_seen[2],
             gold_fact_top10=fact_top10[0], gold_fact_top10_se=fact_top10[1], gold_fact_top10_n=fact_top10[2],
             answer_seen=answer_seen[0], answer_seen_se=answer_seen[1], answer_seen_n=answer_seen[2],
@@ -190,13 +194,13 @@ def _mean_cell(mean: float, se: float, n: int) -> str:
 
 
 def markdown_table(summaries: Sequence[MethodSummary]) -> str:
-    columns = ("method", "dataset", "n", "accuracy", "parse failures", "truncated", "gold fact seen",
+    columns = ("method", "dataset", "n", "accuracy", "parse failures", "truncated", "asked again", "gold fact seen",
                "gold fact in top 10 shown", "answer concept seen", "gold doc recall", "tokens/q",
                "latency p50 / p95 (s)")
     lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     for s in summaries:
         lines.append(f"| {s.method} | {s.dataset} | {s.questions} | {s.accuracy:.3f} ± {s.accuracy_se:.3f} "
-                     f"| {s.parse_failure_rate:.1%} | {s.truncation_rate:.1%} "
+                     f"| {s.parse_failure_rate:.1%} | {s.truncation_rate:.1%} | {s.answer_retry_rate:.1%} "
                      f"| {_mean_cell(s.gold_fact_seen, s.gold_fact_seen_se, s.gold_fact_seen_n)} "
                      f"| {_mean_cell(s.gold_fact_top10, s.gold_fact_top10_se, s.gold_fact_top10_n)} "
                      f"| {_mean_cell(s.answer_seen, s.answer_seen_se, s.answer_seen_n)} "

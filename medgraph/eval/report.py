@@ -340,10 +340,11 @@ def build_report(data: ReportData, out_dir: Path) -> dict[str, Path]:
                          f"each within chance + {MARGIN:.2f} on test; `random` is chance)", md, tab, None))
 
     rows = [(s["method"], s["dataset"], s["questions"], float(s["accuracy"]), float(s["accuracy_se"]),
-             float(s["parse_failure_rate"]), _number(s.get("truncation_rate")), float(s["mean_f1"]))
+             float(s["parse_failure_rate"]), _number(s.get("truncation_rate")), _number(s.get("answer_retry_rate")),
+             float(s["mean_f1"]))
             for s in summaries]
-    md, tab = _table(["method", "dataset", "n", "accuracy", "s.e.", "parse failures", "truncated (extra call)",
-                      "F1"], rows)
+    md, tab = _table(["method", "dataset", "n", "accuracy", "s.e.", "parse failures", "truncated",
+                      "asked again (no readable answer)", "F1"], rows)
     sections.append(("Accuracy per method and dataset", md, tab, accuracy_plot(summaries) if summaries else None))
 
     evidence = [(s["method"], s["dataset"], int(_number(s.get("gold_fact_seen_n"))),

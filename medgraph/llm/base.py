@@ -54,6 +54,10 @@ class GenerationConfig:
     top_p: float = 1.0
     stop: tuple[str, ...] = ()  # generation ends at the first of these; the stop string is not returned
     seed: int | None = 0  # sampling seed (ignored when greedy); None: not reproducible
+    # A closed set of replies (e.g. the option tags of a multiple-choice answer): decoding is constrained
+    # to produce exactly one of them, as vLLM's `guided_choice` does. Backends that cannot constrain
+    # decoding (llama.cpp, Bedrock) generate freely and the caller parses what comes back.
+    choices: tuple[str, ...] = ()
 
     def but(self, **changes: object) -> GenerationConfig:
         return replace(self, **changes)

@@ -525,15 +525,19 @@ class TransformersChatModel(ChatModel):
         stop = [s for s in config.stop if s]
         window = max((len(s) for s in stop), default=0) + 4  # a stop string spans at most this many new tokens
         eos = set(self.eos_ids)
+        choices = [self._encode(c) for c in config.choices]
         tokens: list[list[int]] = [[] for _ in rows]
         active = list(range(len(rows)))  # the row each batch slot holds
         positions = torch.tensor([len(r) for r in rows], device=self.device)
         while True:
+            if choices:
+                logits = self._only_choices(logits, [tokens[row] for row in active], choices)
             chosen = self._next_tokens(logits, config)
             keep = []
             for slot, (row, token) in enumerate(zip(active, chosen.tolist(), strict=True)):
                 tokens[row].append(token)
                 ended = (token in eos or len(tokens[row]) >= config.max_new_tokens
+                         or (choices and tokens[row] in choices)
                          or (stop and any(s in self.tokenizer.decode(tokens[row][-window:], skip_special_tokens=True)
                                           for s in stop)))
                 if not ended:
@@ -566,6 +570,16 @@ class TransformersChatModel(ChatModel):
         self.prefix_cache.add(key, layers, served_by=(used.entry, used.length))
 
     @staticmethod
+    def _only_choices(logits: torch.Tensor, replies: list[list[int]], choices: list[list[int]]) -> torch.Tensor:
+        """Logits with every token masked out that does not continue one of `choices` from each row's reply
+        so far: greedy decoding then writes the allowed reply the model ranks first, token by token."""
+        allowed = torch.full_like(logits, float("-inf"))
+        for slot, reply in enumerate(replies):
+            following = {c[len(reply)] for c in choices if len(c) > len(reply) and c[:len(reply)] == reply}
+            allowed[slot, list(following)] = 0.0
+        return logits + allowed
+
+    @staticmethod
     def _next_tokens(logits: torch.Tensor, config: GenerationConfig) -> torch.Tensor:
         """Greedy, or temperature + nucleus sampling as OpenAI-style servers do (no top-k)."""
         if config.temperature <= 0:
@@ -583,7 +597,7 @@ class TransformersChatModel(ChatModel):
         """Text, prompt tokens, completion tokens and finish reason of one row."""
         end = next((k for k, t in enumerate(tokens) if t in self.eos_ids), len(tokens))
         text, stopped = truncate_at_stop(self.tokenizer.decode(tokens[:end], skip_special_tokens=True), config.stop)
-        if stopped:
+        if stopped or (config.choices and text in config.choices):
             return text, len(row), end, "stop"
         if end < len(tokens):  # ended by an end-of-turn token, which counts as generated
             return text, len(row), end + 1, "stop"

@@ -80,7 +80,7 @@ class OpenAIChatModel(ChatModel):
 
     def __init__(self, model: str, base_url: str, *, api_key: str | None = None, timeout_s: float = 120.0,
                  max_retries: int = 4, backoff_s: float = 0.5, max_backoff_s: float = 20.0, concurrency: int = 8,
-                 raise_on_error: bool = True, name: str | None = None):
+                 raise_on_error: bool = True, name: str | None = None, guided_choice: bool = True):
         if concurrency < 1:
             raise ValueError(f"concurrency must be >= 1, got {concurrency}")
         self.model_id = model  # the server's name for it (`model` in each request)
@@ -96,6 +96,9 @@ class OpenAIChatModel(ChatModel):
         # False: a request that fails for good becomes a Completion with finish_reason "error" (and the
         # message in extra["error"]) instead of failing the whole batch.
         self.raise_on_error = raise_on_error
+        # Send a closed set of replies (`GenerationConfig.choices`) as vLLM's `guided_choice`, which vLLM and
+        # `medgraph.llm.serve` honour; False for servers that reject unknown fields (then the reply is free text).
+        self.guided_choice = guided_choice
         self._local = threading.local()  # one requests.Session per worker thread
         self._sessions: list[requests.Session] = []
         self._pool: ThreadPoolExecutor | None = None
@@ -128,6 +131,8 @@ class OpenAIChatModel(ChatModel):
             payload["stop"] = list(config.stop)
         if config.seed is not None:
             payload["seed"] = config.seed
+        if config.choices and self.guided_choice:
+            payload["guided_choice"] = list(config.choices)
         return payload
 
     def _backoff(self, attempt: int, response: requests.Response | None) -> float:

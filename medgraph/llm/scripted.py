@@ -40,6 +40,7 @@ class ScriptedChatModel(ChatModel):
             self._reply = from_queue
         self.name = name
         self.calls: list[list[Conversation]] = []  # one entry per batched call
+        self.configs: list[GenerationConfig] = []  # ... and its decoding settings
 
     def generate(self, conversations: Sequence[Conversation], config: GenerationConfig | None = None,
                  graph_tokens: Sequence[object] | None = None) -> list[Completion]:
@@ -47,6 +48,7 @@ class ScriptedChatModel(ChatModel):
         config = config or GenerationConfig()
         started = time.perf_counter()
         self.calls.append([list(c) for c in conversations])
+        self.configs.append(config)
         texts = [self._reply(conversation) for conversation in conversations]
         latency = time.perf_counter() - started
         completions = []

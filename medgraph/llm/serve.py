@@ -67,6 +67,9 @@ def parse_chat_request(body: dict[str, object]) -> tuple[list[Message], Generati
         conversation.append(Message(_ROLES[m["role"]], _content_text(m.get("content", ""))))
     stop = body.get("stop") or ()
     stop = (stop,) if isinstance(stop, str) else tuple(str(s) for s in stop)
+    choices = body.get("guided_choice") or ()  # vLLM's extension: the reply is one of these strings
+    if not isinstance(choices, list | tuple) or not all(isinstance(c, str) and c for c in choices):
+        raise BadRequest("'guided_choice' must be a list of non-empty strings")
     try:
         config = GenerationConfig(
             max_new_tokens=int(body.get("max_completion_tokens") or body.get("max_tokens") or 256),
@@ -74,6 +77,7 @@ def parse_chat_request(body: dict[str, object]) -> tuple[list[Message], Generati
             top_p=float(body["top_p"]) if body.get("top_p") is not None else 1.0,
             stop=stop,
             seed=int(body["seed"]) if body.get("seed") is not None else None,
+            choices=tuple(choices),
         )
     except (TypeError, ValueError) as error:
         raise BadRequest(f"bad decoding parameter: {error}") from error

@@ -12,10 +12,14 @@ is ahead (already answering while others still retrieve) simply shares the
 next call. This is what makes evaluation several times faster than one
 question at a time on a CPU, and what a vLLM server needs to be used well.
 
-`answer_call` is every method's final answer call: when that reply reaches
-its token budget without a readable answer, the model is asked once more,
-briefly, for the answer alone (a recorded step), so that a budget does not
-decide the answer and a cut reply is told apart from a parse failure.
+`answer_call` is every method's final answer call: when that reply holds no
+readable answer (cut at its token budget, or written in no form the parser
+reads), the model is asked once more, briefly, for the answer alone (a
+recorded step "final_answer"). For a multiple-choice item that second call is
+constrained to the option tags (`GenerationConfig.choices`, vLLM's
+`guided_choice`), so a budget or a format slip does not decide the answer; the
+share of questions that needed it is reported (`answer_retry_rate`) beside
+the parse failures, which are what is left unreadable in the end.
 """
 
 from __future__ import annotations
@@ -70,44 +74,54 @@ Episode = Generator[Request, Any, MethodResult]
 
 # --------------------------------------------------------------------------- the final answer
 
-# A token budget must not decide the answer: a reply cut mid-reasoning is asked once more for the
-# answer alone, with a budget that fits an answer tag and little else.
+# Neither a token budget nor a format slip may decide the answer: a reply without a readable answer is
+# asked once more for the answer alone, with a budget that fits an answer tag and little else.
 CUT_OFF_NOTE = "Your reply was cut off at the length limit. Reply with only the final answer."
+UNREADABLE_NOTE = "Your reply did not state the final answer in the form asked. Reply with only the final answer."
 FINAL_ANSWER_TOKENS = 24
+
+
+def answer_choices(item: QaItem) -> tuple[str, ...]:
+    """The replies a final-answer call may give: one answer tag per option letter of a multiple-choice
+    item; none (free text) for a short answer."""
+    return tuple(f"<answer>{letter}</answer>" for letter in item.options)
 
 
 def answer_call(item: QaItem, conversation: Conversation, config: GenerationConfig, steps: list[Step],
                 graph_tokens: Tensor | None = None, arguments: dict[str, object] | None = None,
                 retrieved_ids: Sequence[str] = ()) -> Generator[Request, Any, FinalReply]:
-    """Ask for the final answer (a step "answer"), and once more if the reply was cut off without one."""
+    """Ask for the final answer (a step "answer"), and once more if the reply holds no readable answer."""
     completion = yield Generate(conversation, config, graph_tokens)
     step = step_from_completion(len(steps), "answer", completion, arguments)
     step.retrieved_ids = list(retrieved_ids)
     steps.append(step)
-    return (yield from complete_cut_answer(item, conversation, completion, config, steps, completion.text,
-                                           graph_tokens))
+    return (yield from complete_final_answer(item, conversation, completion, config, steps, completion.text,
+                                             graph_tokens))
 
 
-def complete_cut_answer(item: QaItem, conversation: Conversation, completion: Completion, config: GenerationConfig,
-                        steps: list[Step], reply: str | None,
-                        graph_tokens: Tensor | None = None) -> Generator[Request, Any, FinalReply]:
-    """The final reply: `reply` (what the method reads its answer from, None for no answer) unless
-    `completion` hit its token budget and no answer can be read from `reply`; then the same
-    conversation, the cut reply and a request for only the answer go to the model once more (a step
-    "final_answer") and that reply counts.
+def complete_final_answer(item: QaItem, conversation: Conversation, completion: Completion,
+                          config: GenerationConfig, steps: list[Step], reply: str | None,
+                          graph_tokens: Tensor | None = None) -> Generator[Request, Any, FinalReply]:
+    """The final reply: `reply` (what the method reads its answer from, None for no answer) when an answer
+    can be read from it; otherwise the same conversation, `completion`'s reply and a request for only the
+    answer go to the model once more (a step "final_answer", constrained to the option tags for a
+    multiple-choice item) and that reply counts.
 
     `conversation` is what `completion` answered (without the reply).
     """
-    if completion.finish_reason != "length" or (reply is not None and parse_answer(reply, item) is not None):
+    if reply is not None and parse_answer(reply, item) is not None:
         return FinalReply(reply)
-    retry = [*conversation, assistant(completion.text), user(f"{CUT_OFF_NOTE}\n{answer_instruction(item)}")]
-    again = yield Generate(retry, config.but(max_new_tokens=FINAL_ANSWER_TOKENS), graph_tokens)
+    cut = completion.finish_reason == "length"
+    note = CUT_OFF_NOTE if cut else UNREADABLE_NOTE
+    retry = [*conversation, assistant(completion.text), user(f"{note}\n{answer_instruction(item)}")]
+    again = yield Generate(retry, config.but(max_new_tokens=FINAL_ANSWER_TOKENS, choices=answer_choices(item),
+                                             stop=()), graph_tokens)
     readable = parse_answer(again.text, item) is not None
-    steps.append(step_from_completion(
-        len(steps), "final_answer", again,
-        notes=f"the answer reply was cut at {config.max_new_tokens} tokens without an answer: asked once more"
-              + ("" if readable else "; still no readable answer")))
-    return FinalReply(again.text, truncated=True, extra_answer_call=True)
+    why = (f"the answer reply was cut at {config.max_new_tokens} tokens without an answer" if cut
+           else "no readable answer in the reply")
+    steps.append(step_from_completion(len(steps), "final_answer", again,
+                                      notes=f"{why}: asked once more" + ("" if readable else "; still no readable answer")))
+    return FinalReply(again.text, truncated=cut, extra_answer_call=True)
 
 
 # --------------------------------------------------------------------------- driving episodes

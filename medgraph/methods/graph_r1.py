@@ -52,7 +52,7 @@ from typing import NamedTuple
 from medgraph.eval.questions import QaItem
 from medgraph.kg.graph import Node, Triple
 from medgraph.llm.base import ChatModel, Completion, GenerationConfig, Message, assistant, system, user
-from medgraph.methods.agent import Episode, Generate, ToolCall, complete_cut_answer
+from medgraph.methods.agent import Episode, Generate, ToolCall, complete_final_answer
 from medgraph.methods.common import EvidenceSeen, Step, finish_result, format_question, parse_answer
 from medgraph.retrieval import RetrievedChunk, Retriever
 
@@ -502,8 +502,9 @@ def _snippet(chunk: RetrievedChunk, limit: int) -> tuple[str, int | None]:
 
 class GraphR1:
     """Graph-R1 as an evaluated method: the environment driven by any chat model, in lockstep. An
-    episode whose last reply was cut at its token budget without an answer gets one short extra call
-    for the answer alone (outside the environment, so rollouts and rewards are unchanged)."""
+    episode that ends without a readable answer (out of turns, a cut reply, an answer naming no option)
+    gets one short extra call for the answer alone, constrained to the option tags for multiple choice
+    (`agent.complete_final_answer`; outside the environment, so rollouts and rewards are unchanged)."""
 
     name = "graph-r1"
 
@@ -533,9 +534,9 @@ class GraphR1:
             if outcome.shown is not None:
                 seen.add(outcome.shown)
         answer = f"<answer>{state.answer}</answer>" if state.answer is not None else None
-        # The episode (the RL environment's) is over; only a last reply cut at its budget without an
-        # answer is asked once more, outside the environment, for just the answer.
-        reply = yield from complete_cut_answer(item, asked, completion, self.generation, steps, answer)
+        # The episode (the RL environment's) is over; one that gave no readable answer is asked once more,
+        # outside the environment, for just the answer.
+        reply = yield from complete_final_answer(item, asked, completion, self.generation, steps, answer)
         stats = {
             "turns": state.turns, "out_of_turns": state.truncated, "actions": state.actions,
             "well_formed_turns": sum(state.well_formed), "format_ok": all(state.well_formed),

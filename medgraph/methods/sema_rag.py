@@ -330,8 +330,8 @@ class SemaRag:
         """A-Agent: an evidence report, then one option; without it, a direct answer from the evidence.
 
         A report cut at its token budget: an answer it states is read; else the report is dropped and the
-        A-Agent answers from the evidence directly (the no-report prompt), and a cut answer gets the shared
-        short retry (`agent.complete_cut_answer`). SmolLM2's cut reports are mostly loops ("The evidence report
+        A-Agent answers from the evidence directly (the no-report prompt), and an unreadable answer gets the shared
+        short retry (`agent.complete_final_answer`). SmolLM2's cut reports are mostly loops ("The evidence report
         for the option [1] is: ..." over and over) that it went on repeating when asked for the answer after
         them, even with the short budget: 6 of 16 validation items unreadable that way (see issue 26's note)."""
         context = _context(item, evidence)
