@@ -146,6 +146,9 @@ class Settings:
     aws_secret_id: str | None = None  # a Secrets Manager secret holding the AWS keys; None = the AWS chain
     mlflow_artifacts: str = ""  # MEDGRAPH_MLFLOW_ARTIFACTS: where new experiments keep artifacts (s3://...); "" = $MEDGRAPH_HOME/artifacts
     embedding_shards: int = 1  # MEDGRAPH_EMBEDDING_SHARDS: node/edge embeddings in this many partitions, then merged
+    # MEDGRAPH_DUCKDB_MEMORY_LIMIT: DuckDB's memory_limit for the assets' warehouse and the dbt models (past it,
+    # joins and sorts spill to disk)
+    duckdb_memory_limit: str = "2GB"
 
     @property
     def lake_location(self) -> str:
@@ -187,4 +190,12 @@ def load_settings(env: dict[str, str] | None = None) -> Settings:
         aws_secret_id=env.get("MEDGRAPH_AWS_SECRET_ID") or None,
         mlflow_artifacts=env.get("MEDGRAPH_MLFLOW_ARTIFACTS") or "",
         embedding_shards=int(shards),
+        duckdb_memory_limit=_memory_size(env.get("MEDGRAPH_DUCKDB_MEMORY_LIMIT") or "2GB"),
     )
+
+
+def _memory_size(value: str) -> str:
+    """A DuckDB memory size ("2GB", "512MiB"), checked here so that a typo fails at start, not mid-run."""
+    if not re.fullmatch(r"\s*\d+(\.\d+)?\s*(B|KB|MB|GB|TB|KiB|MiB|GiB|TiB)\s*", value, re.IGNORECASE):
+        raise ValueError(f"MEDGRAPH_DUCKDB_MEMORY_LIMIT must be a size such as 2GB or 512MiB, got {value!r}")
+    return value.strip()

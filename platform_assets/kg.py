@@ -37,7 +37,7 @@ def kg_dbt_models(context: dg.AssetExecutionContext, dbt: DbtCliResource, wareho
     """Staging views over `umls.*`, then `kg.kg_nodes`, `kg.kg_edges`, `kg.kg_node_text`, `kg.kg_relations`."""
     store = warehouse.get_warehouse()
     store.repoint_lake_views()  # dbt opens the file itself: the umls views must read this home's lake
-    args = ["build", "--vars", json.dumps({"warehouse_path": str(store.path)})]
+    args = ["build", "--vars", json.dumps({"warehouse_path": str(store.path), "memory_limit": warehouse.memory_limit})]
     lake_env: dict[str, str] = {}
     if isinstance(store.lake, S3Lake):
         install_httpfs(store.lake.extension_dir)

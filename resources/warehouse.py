@@ -98,7 +98,8 @@ def build_resources(settings: Settings | None = None) -> dict[str, dg.Configurab
     from resources.mlflow import MlflowResource
 
     return {
-        "warehouse": WarehouseResource(home=home, lake=settings.lake or None, s3=s3),
+        "warehouse": WarehouseResource(home=home, lake=settings.lake or None, s3=s3,
+                                       memory_limit=settings.duckdb_memory_limit),
         "dbt": DbtCliResource(project_dir=dbt_project, dbt_executable=DBT_EXECUTABLE),
         "release": UmlsReleaseResource(home=home, umls_dir=settings.umls_dir, profile=settings.profile, s3=s3),
         "encoder": EncoderResource(spec=settings.encoder),

@@ -95,3 +95,24 @@ def test_one_dbt_asset_alone_runs_its_relationship_test(kg_warehouse: Warehouse,
         "kg/kg_node_names:not_null_kg_node_names_normalized_name": True,
         "kg/kg_node_names:relationships_kg_node_names_cui__cui__ref_kg_nodes_": True,
     }
+
+
+def test_dbt_runs_under_the_warehouse_memory_limit(tiny_release: Path, tmp_path: Path):
+    """MEDGRAPH_DUCKDB_MEMORY_LIMIT reaches the dbt process (DuckDB spills past it; before, the dbt profile set
+    no limit and kg_edges' peak grew with the data): a limit too small for any model fails the build."""
+    settings = load_settings({"MEDGRAPH_HOME": str(tmp_path / "home"), "MEDGRAPH_UMLS_DIR": str(tiny_release),
+                              "MEDGRAPH_PROFILE": "tiny", "MEDGRAPH_DUCKDB_MEMORY_LIMIT": "1MB"})
+    resources = build_resources(settings)
+    assert resources["warehouse"].memory_limit == "1MB"
+    ingested = dg.materialize([*umls.umls_tables], resources=build_resources(load_settings(
+        {"MEDGRAPH_HOME": str(tmp_path / "home"), "MEDGRAPH_UMLS_DIR": str(tiny_release), "MEDGRAPH_PROFILE": "tiny"})))
+    assert ingested.success
+    # The staging views and kg_nodes only (the umls tables are in place): the dbt step is what fails.
+    result = dg.materialize([kg.kg_dbt_models], resources=resources, selection="*kg/kg_nodes", raise_on_error=False)
+    assert not result.success
+    failed = result.get_step_failure_events()
+    assert [event.step_key for event in failed] == ["kg_dbt_models"]
+    failures = " ".join(str(event.step_failure_data.error) for event in failed)
+    assert "Out of Memory Error" in failures, failures[-2000:]
+    with pytest.raises(ValueError, match="MEDGRAPH_DUCKDB_MEMORY_LIMIT must be a size such as 2GB"):
+        load_settings({"MEDGRAPH_DUCKDB_MEMORY_LIMIT": "two gigs"})
