@@ -182,6 +182,7 @@ def _eval_asset(name: str, methods: tuple[str, ...], model_deps: tuple[dg.AssetK
         for s in summaries:
             metadata[f"{s.method}/accuracy"] = s.accuracy
             metadata[f"{s.method}/parse_failure_rate"] = s.parse_failure_rate
+            metadata[f"{s.method}/answer_retry_rate"] = s.answer_retry_rate
         return dg.MaterializeResult(metadata=metadata)
 
     return _evaluate
