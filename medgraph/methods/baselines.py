@@ -27,7 +27,7 @@ Where we depart from the published code, and why:
   list"); we parse the "## Queries" section (or, when absent, the reply's lines) instead, which
   saves a call per round. A round whose reply holds no query searches with the question itself.
 - i-MedRAG ends with a free "## Answer" section and one more call for the answer as JSON; we ask
-  for the answer tag every method uses (and once more only when that reply is cut off, `answer_call`).
+  for the answer tag every method uses (and once more when that reply holds no readable answer, `answer_call`).
 - Every call of a step is batched across questions and, for the per-query answers, across queries.
 """
 
@@ -39,8 +39,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from medgraph.eval.questions import QaItem
-from medgraph.kg.graph import Triple
-from medgraph.llm.base import ChatModel, Completion, GenerationConfig, system, user
+from medgraph.kg.graph import KnowledgeGraph, Triple
+from medgraph.llm.base import ChatModel, Completion, Conversation, GenerationConfig, system, user
 from medgraph.methods.agent import Episode, Generate, ToolCall, answer_call
 from medgraph.methods.common import (
     EvidenceSeen,
@@ -193,26 +193,48 @@ class OracleEvidence:
                       latency_s=output.latency_s)]
         evidence = EvidenceSeen()
         evidence.add_triples(triples)
-        sections = ["Here are relevant knowledge graph facts:\n" + format_triples(triples)] if triples else []
-        steps[0].observation = "\n\n".join(sections)
-        sections += [format_question(item), answer_instruction(item)]
-        reply = yield from answer_call(item, [system(EXPERT), user("\n\n".join(sections))], self.generation, steps)
+        conversation = kg_facts_prompt(item, triples)
+        steps[0].observation = kg_facts_section(triples)
+        reply = yield from answer_call(item, conversation, self.generation, steps)
         return finish_result(self.name, item, reply, steps, {"oracle_facts": len(triples)}, evidence)
 
     def retrieve(self, items: list[QaItem]) -> list[list[Triple]]:
-        graph = self.tools.retriever.graph
-        gold = {t.edge_id: t for t in graph.triples({e for item in items for e in gold_edge_ids(item) or ()})}
-        concepts = {c for item in items for key in ("seed_cuis", "option_cuis") for c in item.extra.get(key) or ()}
-        concepts |= {c for t in gold.values() for c in (t.src_cui, t.dst_cui)}
-        by_concept: dict[str, list[Triple]] = {}
-        for triple in graph.one_hop(sorted(concepts)):
-            by_concept.setdefault(triple.src_cui, []).append(triple)
-        return [self._evidence(item, gold, by_concept) for item in items]
+        return oracle_triples(self.tools.retriever.graph, items, self.config.max_wrong)
 
-    def _evidence(self, item: QaItem, gold: dict[str, Triple], by_concept: dict[str, list[Triple]]) -> list[Triple]:
+
+def kg_facts_section(triples: Sequence[Triple]) -> str:
+    """Numbered KG facts under their heading, as `rag-kg` and `oracle-evidence` show them ("" for none)."""
+    return "Here are relevant knowledge graph facts:\n" + format_triples(triples) if triples else ""
+
+
+def kg_facts_prompt(item: QaItem, triples: Sequence[Triple]) -> Conversation:
+    """The answering call of `oracle-evidence`: the facts, the question and the answer instruction."""
+    sections = [kg_facts_section(triples)] if triples else []
+    sections += [format_question(item), answer_instruction(item)]
+    return [system(EXPERT), user("\n\n".join(sections))]
+
+
+def stated_keys(item: QaItem, facts: Sequence[Triple]) -> set[str]:
+    """"src|relation|dst" keys of the item's gold facts (its gold path's triples and every listing of them)."""
+    stated = {f"{t.src_cui}|{t.relation}|{t.dst_cui}" for t in facts}
+    return stated | {key for fact in gold_facts(item) or () for key in fact}
+
+
+def oracle_triples(graph: KnowledgeGraph, items: Sequence[QaItem], max_wrong: int) -> list[list[Triple]]:
+    """Per item: its gold facts (the gold path's triples) and at most `max_wrong` wrong-relation triples of
+    the same concepts (for multiple choice the question concept's triples to the wrong options; otherwise as
+    many as there are gold facts; a "no" question: the triples that do link its two concepts), shuffled with
+    a seed from the question."""
+    gold = {t.edge_id: t for t in graph.triples({e for item in items for e in gold_edge_ids(item) or ()})}
+    concepts = {c for item in items for key in ("seed_cuis", "option_cuis") for c in item.extra.get(key) or ()}
+    concepts |= {c for t in gold.values() for c in (t.src_cui, t.dst_cui)}
+    by_concept: dict[str, list[Triple]] = {}
+    for triple in graph.one_hop(sorted(concepts)):
+        by_concept.setdefault(triple.src_cui, []).append(triple)
+    shown = []
+    for item in items:
         facts = [gold[e] for e in gold_edge_ids(item) or () if e in gold]
-        stated = {f"{t.src_cui}|{t.relation}|{t.dst_cui}" for t in facts}
-        stated |= {key for fact in gold_facts(item) or () for key in fact}
+        stated = stated_keys(item, facts)
         ends = {c for t in facts for c in (t.src_cui, t.dst_cui)} | set(item.extra.get("seed_cuis") or ())
         answers = set(item.extra.get("answer_cuis") or ())
         wrong_options = [c for c in item.extra.get("option_cuis") or () if c not in answers]
@@ -226,9 +248,10 @@ class OracleEvidence:
         else:
             rng.shuffle(wrong)
             wrong = wrong[: len(facts)]
-        shown = facts + wrong[: self.config.max_wrong]
-        rng.shuffle(shown)
-        return shown
+        row = facts + wrong[:max_wrong]
+        rng.shuffle(row)
+        shown.append(row)
+    return shown
 
 
 # --------------------------------------------------------------------------- i-MedRAG

@@ -52,7 +52,7 @@ from medgraph.rl.model import (
     trainable_parameters,
 )
 from medgraph.rl.rewards import episode_reward
-from medgraph.rl.rollout import encode_conversation
+from medgraph.rl.rollout import EncodedConversation, encode_conversation
 from medgraph.settings import profile_config
 from medgraph.storage import Warehouse
 
@@ -274,14 +274,27 @@ def train_sft(model_dir: str | Path, demonstrations: Sequence[GraphR1State], con
         raise ValueError(f"no usable demonstrations (of {len(demonstrations)}): they are missing or longer than "
                          f"max_new_tokens={config.graph_r1.max_new_tokens}")
     encoded = [encode_conversation(policy.tokenizer, s.messages, policy.eos_ids) for s in usable]
+    started = time.perf_counter()
+    history = fit_replies(policy, encoded, config, log_fn, desc="graph-r1 sft")
+    seconds = time.perf_counter() - started
+    metrics = {"train_nll_first": history[0]["train_nll"], "train_nll_last": history[-1]["train_nll"],
+               "demonstrations_used": float(len(usable)), "train_seconds": seconds,
+               "seconds_per_step": seconds / config.steps}
+    return SftResult(policy, metrics, history)
+
+
+def fit_replies(policy: TransformersChatModel, encoded: Sequence[EncodedConversation], config: SftConfig,
+                log_fn: Callable[[int, dict[str, float]], None] | None = None, desc: str = "sft") -> list[dict[str, float]]:
+    """`config.steps` AdamW steps of masked maximum likelihood of the replies in `encoded` (token-averaged over
+    each batch of `config.batch_size` conversations, in epochs over a seeded shuffle); the per-step history.
+    Only `config`'s optimisation fields are read (steps, batch sizes, lr, weight decay, clipping, seed, bf16)."""
     torch.manual_seed(config.seed)
     rng = random.Random(config.seed)
     optimizer = torch.optim.AdamW(trainable_parameters(policy.model), lr=config.lr, weight_decay=config.weight_decay)
     order: list[int] = []
     history: list[dict[str, float]] = []
-    started = time.perf_counter()
     policy.model.train()
-    for step in tqdm(range(1, config.steps + 1), desc="graph-r1 sft", disable=not config.progress):
+    for step in tqdm(range(1, config.steps + 1), desc=desc, disable=not config.progress):
         batch_ids = []
         while len(batch_ids) < min(config.batch_size, len(encoded)):
             if not order:  # epochs over a fresh shuffle
@@ -305,8 +318,4 @@ def train_sft(model_dir: str | Path, demonstrations: Sequence[GraphR1State], con
         if log_fn:
             log_fn(step, record)
     policy.model.eval()
-    seconds = time.perf_counter() - started
-    metrics = {"train_nll_first": history[0]["train_nll"], "train_nll_last": history[-1]["train_nll"],
-               "demonstrations_used": float(len(usable)), "train_seconds": seconds,
-               "seconds_per_step": seconds / config.steps}
-    return SftResult(policy, metrics, history)
+    return history
