@@ -1,0 +1,129 @@
+"""The reader adapter's examples (RAFT-style, train split only), its leakage guard and its LoRA fit (issue 29)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+from medgraph.eval.questions import QaItem
+from medgraph.kg.graph import KnowledgeGraph, Triple
+from medgraph.rl.reader import (
+    NOT_FOUND,
+    ReaderConfig,
+    ReaderExample,
+    check_no_leak,
+    held_out_pairs,
+    reader_examples,
+    train_reader_adapter,
+)
+from medgraph.rl.sft import SftConfig
+from medgraph.storage import Warehouse
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+HYPERTENSION = "C0020538"
+
+
+@pytest.fixture(scope="module")
+def graph(kg_warehouse: Warehouse) -> KnowledgeGraph:
+    return KnowledgeGraph(kg_warehouse)
+
+
+def mc_item(graph: KnowledgeGraph, qid: str = "q1") -> tuple[QaItem, Triple, list[str]]:
+    """A multiple-choice item whose gold fact is a real edge of the tiny KG; the wrong options are other
+    neighbours of the question concept, so the evidence has distractors."""
+    edges = graph.one_hop([HYPERTENSION])
+    gold = edges[0]
+    others = list(dict.fromkeys(t.dst_cui for t in edges if t.dst_cui != gold.dst_cui))[:3]
+    assert len(others) == 3, "the tiny KG changed: Hypertension needs 4 distinct neighbours"
+    options = dict(zip("ABCD", ["answer", "wrong 1", "wrong 2", "wrong 3"], strict=True))
+    item = QaItem("kgqa_mc", qid, f"Which concept is linked to Hypertension by {gold.relation}?", options, "A",
+                  extra={"gold_path": [gold.edge_id], "seed_cuis": [HYPERTENSION], "answer_cuis": [gold.dst_cui],
+                         "option_cuis": [gold.dst_cui, *others], "gold_pairs": [sorted([gold.src_cui, gold.dst_cui])],
+                         "gold_facts": [[f"{gold.src_cui}|{gold.relation}|{gold.dst_cui}"]]})
+    return item, gold, others
+
+
+def facts_shown(example: ReaderExample) -> str:
+    return example.conversation[1].content.split("Question:")[0]
+
+
+def test_examples_cite_the_gold_fact_among_distractors_or_withhold_it(graph: KnowledgeGraph):
+    item, gold, _ = mc_item(graph)
+    (shown,), counts = reader_examples(graph, [item], ReaderConfig(gold_share=1.0), frozenset())
+    assert shown.gold_shown and counts["gold_shown"] == 1
+    assert [m.role for m in shown.conversation] == ["system", "user", "assistant"]
+    lines = facts_shown(shown).splitlines()
+    number = next(line.split(".")[0] for line in lines if line.endswith(gold.text))
+    assert shown.conversation[2].content == f"Fact {number} states that {gold.text}. <answer>A</answer>"
+    assert len(lines) > 2  # the heading, the gold fact and at least one distractor
+
+    (withheld,), counts = reader_examples(graph, [item], ReaderConfig(gold_share=0.0), frozenset())
+    assert not withheld.gold_shown and counts["gold_withheld"] == 1
+    assert gold.text not in facts_shown(withheld) and withheld.conversation[2].content == NOT_FOUND
+    assert "<answer>" not in withheld.conversation[2].content  # names no option: nothing to memorise
+
+
+def test_a_yes_no_item_always_shows_its_fact(graph: KnowledgeGraph):
+    item, gold, _ = mc_item(graph)
+    yes_no = replace(item, options={"A": "yes", "B": "no"}, extra={**item.extra, "option_cuis": []})
+    (example,), _ = reader_examples(graph, [yes_no], ReaderConfig(gold_share=0.0), frozenset())
+    assert example.gold_shown and example.conversation[2].content.endswith("<answer>A</answer>")
+
+
+def test_facts_of_held_out_questions_never_reach_the_examples(graph: KnowledgeGraph):
+    item, gold, others = mc_item(graph)
+    distractor = frozenset((HYPERTENSION, others[0]))
+    (example,), counts = reader_examples(graph, [item], ReaderConfig(gold_share=1.0), frozenset({distractor}))
+    assert distractor not in example.pairs and counts["dropped_held_out_facts"] >= 1
+    # A validation question about the same pair as this train question: the train question is skipped.
+    held_out = held_out_pairs([replace(item, qid="valid-1")])
+    assert held_out == {frozenset((gold.src_cui, gold.dst_cui))}
+    examples, counts = reader_examples(graph, [item], ReaderConfig(), held_out)
+    assert examples == [] and counts["skipped_held_out_question"] == 1
+    check_no_leak([example], frozenset())
+    with pytest.raises(ValueError, match=r"join concept pairs of validation or test questions, e.g. question q1"):
+        check_no_leak([example], held_out_pairs([replace(item, qid="test-1")]) | {next(iter(example.pairs))})
+
+
+@pytest.fixture(scope="module")
+def tiny_reader_dir(smollm2, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A randomly initialised 2-layer Llama with SmolLM2's tokenizer and chat template."""
+    from transformers import GenerationConfig as HfGenerationConfig
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(
+        vocab_size=len(smollm2.tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048, tie_word_embeddings=True,
+        bos_token_id=smollm2.tokenizer.bos_token_id, eos_token_id=smollm2.eos_ids[0], pad_token_id=smollm2.pad_id))
+    model.generation_config = HfGenerationConfig(eos_token_id=smollm2.eos_ids[0], pad_token_id=smollm2.pad_id)
+    out = tmp_path_factory.mktemp("tiny_reader")
+    model.save_pretrained(out)
+    smollm2.tokenizer.save_pretrained(out)
+    return out
+
+
+def test_the_adapter_learns_the_targets_and_leaves_the_base_weights_alone(graph: KnowledgeGraph,
+                                                                         tiny_reader_dir: Path):
+    items = [mc_item(graph, f"q{i}")[0] for i in range(4)]
+    config = ReaderConfig(gold_share=0.5, fit=SftConfig(steps=40, batch_size=4, micro_batch_size=4, lr=2e-2,
+                                                        lora_r=8, lora_alpha=16, device="cpu", bf16=False))
+    examples, _ = reader_examples(graph, items, config, frozenset())
+    with pytest.raises(ValueError, match="validation or test"):  # refused before any model is loaded
+        train_reader_adapter(tiny_reader_dir, examples, config, frozenset(examples[0].pairs))
+    result = train_reader_adapter(tiny_reader_dir, examples, config, frozenset())
+    # A random 64-wide model whose embeddings and head stay frozen learns slowly under LoRA (10.8 -> ~9.8 nats
+    # here); the pretrained reader memorises such targets within 8 steps (5.2 -> 0.4).
+    assert result.metrics["train_nll_last"] < result.metrics["train_nll_first"] - 0.5
+    trained = {n: p for n, p in result.policy.model.named_parameters()}
+    assert all("lora_" in n for n, p in trained.items() if p.requires_grad)
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(tiny_reader_dir)
+    name, weight = next((n, p) for n, p in base.named_parameters() if n.endswith("q_proj.weight"))
+    adapted_base = next(p for n, p in trained.items() if n.endswith(name.replace("q_proj.weight", "q_proj.base_layer.weight")))
+    assert torch.equal(weight, adapted_base)
