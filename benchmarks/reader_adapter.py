@@ -93,6 +93,10 @@ def main() -> None:
                                                              ("asked_again", "extra_answer_call"))},
                 **{f"{r}_answers": dict(sorted(_counts(x.prediction for x in results[method, r]).items()))
                    for r in ("base", "adapted")},
+                # What each reader wrote, to read why it chose (the first answer call and any extra one).
+                "replies": [{"qid": q, "gold": by_reader["base"][q].answer,
+                             **{r: [s.output for s in by_reader[r][q].steps if s.output] for r in ("base", "adapted")}}
+                            for q in qids],
             }
     summary = {"config": config.as_dict(), "examples": dict(counts), "adapter": adapted.metrics,
                "valid_datasets": datasets, "methods": rows, "seconds": time.perf_counter() - started}
