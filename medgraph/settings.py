@@ -147,8 +147,9 @@ class Settings:
     mlflow_artifacts: str = ""  # MEDGRAPH_MLFLOW_ARTIFACTS: where new experiments keep artifacts (s3://...); "" = $MEDGRAPH_HOME/artifacts
     embedding_shards: int = 1  # MEDGRAPH_EMBEDDING_SHARDS: node/edge embeddings in this many partitions, then merged
     # MEDGRAPH_DUCKDB_MEMORY_LIMIT: DuckDB's memory_limit for the assets' warehouse and the dbt models (past it,
-    # joins and sorts spill to disk)
-    duckdb_memory_limit: str = "2GB"
+    # joins and sorts spill to disk). None: 2GB for the assets, DuckDB's own default (80% of RAM) for dbt,
+    # because kg_edges does not spill: at 10M MRREL rows it fails in 2 GB ("Out of Memory Error") and peaks at 4 GB.
+    duckdb_memory_limit: str | None = None
 
     @property
     def lake_location(self) -> str:
@@ -190,7 +191,8 @@ def load_settings(env: dict[str, str] | None = None) -> Settings:
         aws_secret_id=env.get("MEDGRAPH_AWS_SECRET_ID") or None,
         mlflow_artifacts=env.get("MEDGRAPH_MLFLOW_ARTIFACTS") or "",
         embedding_shards=int(shards),
-        duckdb_memory_limit=_memory_size(env.get("MEDGRAPH_DUCKDB_MEMORY_LIMIT") or "2GB"),
+        duckdb_memory_limit=_memory_size(env["MEDGRAPH_DUCKDB_MEMORY_LIMIT"]) if env.get("MEDGRAPH_DUCKDB_MEMORY_LIMIT")
+        else None,
     )
 
 

@@ -37,7 +37,8 @@ def kg_dbt_models(context: dg.AssetExecutionContext, dbt: DbtCliResource, wareho
     """Staging views over `umls.*`, then `kg.kg_nodes`, `kg.kg_edges`, `kg.kg_node_text`, `kg.kg_relations`."""
     store = warehouse.get_warehouse()
     store.repoint_lake_views()  # dbt opens the file itself: the umls views must read this home's lake
-    args = ["build", "--vars", json.dumps({"warehouse_path": str(store.path), "memory_limit": warehouse.memory_limit})]
+    memory_limit = warehouse.dbt_memory_limit or duckdb_default_memory_limit()
+    args = ["build", "--vars", json.dumps({"warehouse_path": str(store.path), "memory_limit": memory_limit})]
     lake_env: dict[str, str] = {}
     if isinstance(store.lake, S3Lake):
         install_httpfs(store.lake.extension_dir)
@@ -49,6 +50,12 @@ def kg_dbt_models(context: dg.AssetExecutionContext, dbt: DbtCliResource, wareho
     with _environment(lake_env):
         invocation = dbt.cli(args, context=context)
     yield from invocation.stream()
+
+
+def duckdb_default_memory_limit() -> str:
+    """DuckDB's own default memory_limit, 80% of physical memory (the profile needs a value either way)."""
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return f"{int(total * 0.8) // 2**20}MiB"
 
 
 def dbt_s3_environment(lake: S3Lake) -> dict[str, str]:

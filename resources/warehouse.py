@@ -37,6 +37,9 @@ class WarehouseResource(dg.ConfigurableResource):
     s3: S3Access = S3Access()
     memory_limit: str = "2GB"
     threads: int | None = None
+    # The dbt process's DuckDB memory_limit; None: DuckDB's default, 80% of RAM (kg_edges does not fit in 2 GB
+    # at 10M MRREL rows: it does not spill).
+    dbt_memory_limit: str | None = None
 
     def get_warehouse(self) -> Warehouse:
         return warehouse_at(Path(self.home), self.lake, s3_endpoint_url=self.s3.endpoint_url,
@@ -99,7 +102,8 @@ def build_resources(settings: Settings | None = None) -> dict[str, dg.Configurab
 
     return {
         "warehouse": WarehouseResource(home=home, lake=settings.lake or None, s3=s3,
-                                       memory_limit=settings.duckdb_memory_limit),
+                                       memory_limit=settings.duckdb_memory_limit or "2GB",
+                                       dbt_memory_limit=settings.duckdb_memory_limit),
         "dbt": DbtCliResource(project_dir=dbt_project, dbt_executable=DBT_EXECUTABLE),
         "release": UmlsReleaseResource(home=home, umls_dir=settings.umls_dir, profile=settings.profile, s3=s3),
         "encoder": EncoderResource(spec=settings.encoder),
