@@ -216,6 +216,13 @@ def warehouse_at(home: Path, lake: str | None = None, *, s3_endpoint_url: str | 
                      memory_limit, threads)
 
 
+def duckdb_default_memory_limit() -> str:
+    """DuckDB's own default memory_limit, 80% of physical memory (for a process, such as dbt, whose
+    configuration needs an explicit value)."""
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return f"{int(total * 0.8) // 2**20}MiB"
+
+
 def open_warehouse(settings: Settings, memory_limit: str = "2GB", threads: int | None = None) -> Warehouse:
     """The configured warehouse and lake (MEDGRAPH_HOME, MEDGRAPH_LAKE, MEDGRAPH_S3_ENDPOINT_URL,
     MEDGRAPH_AWS_SECRET_ID) outside Dagster: `warehouse_at` with the settings' values."""

@@ -11,6 +11,7 @@ import dagster as dg
 from dagster_dbt import DagsterDbtTranslator, DagsterDbtTranslatorSettings, DbtCliResource, dbt_assets
 
 from medgraph.s3 import S3Lake, install_httpfs
+from medgraph.storage import duckdb_default_memory_limit
 from platform_assets.automation import on_data_version_change
 from platform_assets.dbt_project import dbt_project
 from resources import WarehouseResource
@@ -50,12 +51,6 @@ def kg_dbt_models(context: dg.AssetExecutionContext, dbt: DbtCliResource, wareho
     with _environment(lake_env):
         invocation = dbt.cli(args, context=context)
     yield from invocation.stream()
-
-
-def duckdb_default_memory_limit() -> str:
-    """DuckDB's own default memory_limit, 80% of physical memory (the profile needs a value either way)."""
-    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    return f"{int(total * 0.8) // 2**20}MiB"
 
 
 def dbt_s3_environment(lake: S3Lake) -> dict[str, str]:

@@ -25,7 +25,6 @@ Leakage guard: no example shows a fact between two concepts that a validation or
 from __future__ import annotations
 
 import random
-import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -104,10 +103,11 @@ def reader_examples(graph: KnowledgeGraph, items: Sequence[QaItem], config: Read
             continue
         kept = [t for t in shown if _pair(t) not in held_out]
         stats["dropped_held_out_facts"] += len(shown) - len(kept)
-        stated = stated_keys(item, [t for t in kept if t.edge_id in set(gold_edge_ids(item) or ())])
+        gold_edges = set(gold_edge_ids(item) or ())
+        stated = stated_keys(item, [t for t in kept if t.edge_id in gold_edges])
         is_gold = [f"{t.src_cui}|{t.relation}|{t.dst_cui}" in stated for t in kept]
         has_gold = any(is_gold)
-        if not has_gold and (gold_edge_ids(item) or gold_facts(item)):
+        if not has_gold and (gold_edges or gold_facts(item)):
             stats["skipped_gold_missing"] += 1  # its fact is not in the graph (or was held out): nothing to cite
             continue
         yes_no = {text.strip().lower() for text in item.options.values()} <= {"yes", "no", "maybe"}
@@ -149,10 +149,6 @@ def train_reader_adapter(model_dir: str | Path, examples: Sequence[ReaderExample
     lora = LoraSettings(fit.lora_r, fit.lora_alpha, fit.lora_layers) if fit.lora_r else None
     reader = load_trainable(model_dir, lora=lora, device=fit.device, max_batch_size=64, name=name)
     encoded = [encode_conversation(reader.tokenizer, e.conversation, reader.eos_ids) for e in examples]
-    started = time.perf_counter()
-    history = fit_replies(reader, encoded, fit, log_fn, desc="reader adapter")
-    seconds = time.perf_counter() - started
-    metrics = {"train_nll_first": history[0]["train_nll"], "train_nll_last": history[-1]["train_nll"],
-               "examples": float(len(examples)), "examples_gold_shown": float(sum(e.gold_shown for e in examples)),
-               "train_seconds": seconds, "seconds_per_step": seconds / fit.steps}
+    history, metrics = fit_replies(reader, encoded, fit, log_fn, desc="reader adapter")
+    metrics |= {"examples": float(len(examples)), "examples_gold_shown": float(sum(e.gold_shown for e in examples))}
     return SftResult(reader, metrics, history)

@@ -274,20 +274,18 @@ def train_sft(model_dir: str | Path, demonstrations: Sequence[GraphR1State], con
         raise ValueError(f"no usable demonstrations (of {len(demonstrations)}): they are missing or longer than "
                          f"max_new_tokens={config.graph_r1.max_new_tokens}")
     encoded = [encode_conversation(policy.tokenizer, s.messages, policy.eos_ids) for s in usable]
-    started = time.perf_counter()
-    history = fit_replies(policy, encoded, config, log_fn, desc="graph-r1 sft")
-    seconds = time.perf_counter() - started
-    metrics = {"train_nll_first": history[0]["train_nll"], "train_nll_last": history[-1]["train_nll"],
-               "demonstrations_used": float(len(usable)), "train_seconds": seconds,
-               "seconds_per_step": seconds / config.steps}
-    return SftResult(policy, metrics, history)
+    history, metrics = fit_replies(policy, encoded, config, log_fn, desc="graph-r1 sft")
+    return SftResult(policy, {**metrics, "demonstrations_used": float(len(usable))}, history)
 
 
 def fit_replies(policy: TransformersChatModel, encoded: Sequence[EncodedConversation], config: SftConfig,
-                log_fn: Callable[[int, dict[str, float]], None] | None = None, desc: str = "sft") -> list[dict[str, float]]:
+                log_fn: Callable[[int, dict[str, float]], None] | None = None,
+                desc: str = "sft") -> tuple[list[dict[str, float]], dict[str, float]]:
     """`config.steps` AdamW steps of masked maximum likelihood of the replies in `encoded` (token-averaged over
-    each batch of `config.batch_size` conversations, in epochs over a seeded shuffle); the per-step history.
+    each batch of `config.batch_size` conversations, in epochs over a seeded shuffle); the per-step history and
+    its summary (first and last train NLL, seconds).
     Only `config`'s optimisation fields are read (steps, batch sizes, lr, weight decay, clipping, seed, bf16)."""
+    started = time.perf_counter()
     torch.manual_seed(config.seed)
     rng = random.Random(config.seed)
     optimizer = torch.optim.AdamW(trainable_parameters(policy.model), lr=config.lr, weight_decay=config.weight_decay)
@@ -318,4 +316,6 @@ def fit_replies(policy: TransformersChatModel, encoded: Sequence[EncodedConversa
         if log_fn:
             log_fn(step, record)
     policy.model.eval()
-    return history
+    seconds = time.perf_counter() - started
+    return history, {"train_nll_first": history[0]["train_nll"], "train_nll_last": history[-1]["train_nll"],
+                     "train_seconds": seconds, "seconds_per_step": seconds / config.steps}
