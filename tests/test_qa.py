@@ -188,6 +188,23 @@ def test_mc_has_one_correct_option_and_wrong_options_linked_by_other_relations(i
             assert not (edges.ancestors(distractor) & edges.objects[(subject, relation)]), item
 
 
+def test_every_letter_is_right_equally_often_in_each_split(items, edges):
+    """Answer positions are balanced per question type and split (a seeded shuffle put D right for 38% of the
+    demo's validation and test 2-hop items), and the rotation keeps options, their concepts and the answer
+    together."""
+    positions: dict[tuple[str, str], Counter] = {}
+    for item in items:
+        if item["question_type"] in ("mc", "mc_2hop"):
+            positions.setdefault((item["question_type"], item["split"]), Counter())[item["answer"]] += 1
+            options = json.loads(item["options"])
+            assert options[item["answer"]] in item["acceptable_answers"], item
+            assert item["option_cuis"]["ABCD".index(item["answer"])] == item["answer_cuis"][0], item
+    assert {split for _, split in positions} == {"train", "validation", "test"}
+    for key, counts in positions.items():
+        per_letter = [counts[letter] for letter in "ABCD"]
+        assert max(per_letter) - min(per_letter) <= 1, (key, counts)
+
+
 def test_two_hop_mc_wrong_options_are_two_edges_away_and_not_reached_by_the_asked_chain(items, edges):
     mc = [item for item in items if item["question_type"] == "mc_2hop"]
     assert mc
