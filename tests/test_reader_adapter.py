@@ -58,7 +58,8 @@ def test_examples_cite_the_gold_fact_among_distractors_or_withhold_it(graph: Kno
     assert [m.role for m in shown.conversation] == ["system", "user", "assistant"]
     lines = facts_shown(shown).splitlines()
     number = next(line.split(".")[0] for line in lines if line.endswith(gold.text))
-    assert shown.conversation[2].content == f"Fact {number} states that {gold.text}. <answer>A</answer>"
+    assert shown.conversation[2].content == (f"Fact {number} states that {gold.text}. "
+                                             "The answer is answer, option A. <answer>A</answer>")
     assert len(lines) > 2  # the heading, the gold fact and at least one distractor
 
     (withheld,), counts = reader_examples(graph, [item], ReaderConfig(gold_share=0.0), frozenset())
@@ -71,7 +72,7 @@ def test_a_yes_no_item_always_shows_its_fact(graph: KnowledgeGraph):
     item, gold, _ = mc_item(graph)
     yes_no = replace(item, options={"A": "yes", "B": "no"}, extra={**item.extra, "option_cuis": []})
     (example,), _ = reader_examples(graph, [yes_no], ReaderConfig(gold_share=0.0), frozenset())
-    assert example.gold_shown and example.conversation[2].content.endswith("<answer>A</answer>")
+    assert example.gold_shown and example.conversation[2].content.endswith("The answer is yes, option A. <answer>A</answer>")
 
 
 def test_facts_of_held_out_questions_never_reach_the_examples(graph: KnowledgeGraph):
@@ -116,9 +117,10 @@ def test_the_adapter_learns_the_targets_and_leaves_the_base_weights_alone(graph:
     with pytest.raises(ValueError, match="validation or test"):  # refused before any model is loaded
         train_reader_adapter(tiny_reader_dir, examples, config, frozenset(examples[0].pairs))
     result = train_reader_adapter(tiny_reader_dir, examples, config, frozenset())
-    # A random 64-wide model whose embeddings and head stay frozen learns slowly under LoRA (10.8 -> ~9.8 nats
-    # here); the pretrained reader memorises such targets within 8 steps (5.2 -> 0.4).
-    assert result.metrics["train_nll_last"] < result.metrics["train_nll_first"] - 0.5
+    # A random 64-wide model whose embeddings and head stay frozen learns slowly under LoRA (10.80 -> 10.49 nats
+    # here, the same four examples every step; 80 steps: 10.37); the pretrained reader memorises such targets
+    # within 8 steps (5.2 -> 0.4).
+    assert result.metrics["train_nll_last"] < result.metrics["train_nll_first"] - 0.2
     trained = {n: p for n, p in result.policy.model.named_parameters()}
     assert all("lora_" in n for n, p in trained.items() if p.requires_grad)
     from transformers import AutoModelForCausalLM

@@ -8,8 +8,9 @@ triples, `methods.baselines.kg_facts_prompt`); the distractors are the same conc
 relations (for multiple choice, the question concept's links to the wrong options:
 `methods.baselines.oracle_triples`); and every example comes from the TRAIN split.
 
-    gold shown     "Fact 3 states that amlodipine may treat Hypertension. <answer>A</answer>"
-    a "no" item    "No fact states that. <answer>B</answer>"        (its fact is absent by design)
+    gold shown     "Fact 3 states that amlodipine may treat Hypertension. The answer is amlodipine, option A.
+                    <answer>A</answer>"
+    a "no" item    "No fact states that. The answer is no, option B. <answer>B</answer>"  (absent by design)
     gold withheld  "None of the facts answers the question."         (multiple choice only; no answer tag)
 
 Where we depart from RAFT: a withheld example's target names no option. RAFT keeps the correct answer there,
@@ -87,6 +88,14 @@ def held_out_pairs(items: Iterable[QaItem]) -> frozenset[Pair]:
     return frozenset(pair for item in items for pair in question_pairs(item))
 
 
+def name_the_option(item: QaItem) -> str:
+    """The end of a target: the answer's text, then its letter ("The answer is Hypertension, option C.
+    <answer>C</answer>"). Written in that order the letter is a look-up of the option list ("C. Hypertension"),
+    which the first adapter, trained on the letter alone after its citation, never learned: it cited the right
+    fact and answered A regardless."""
+    return f"The answer is {item.options[item.answer]}, option {item.answer}. <answer>{item.answer}</answer>"
+
+
 def reader_examples(graph: KnowledgeGraph, items: Sequence[QaItem], config: ReaderConfig,
                     held_out: frozenset[Pair]) -> tuple[list[ReaderExample], Counter[str]]:
     """RAFT examples from train questions with options (see the module doc), and counts of what was kept,
@@ -119,10 +128,10 @@ def reader_examples(graph: KnowledgeGraph, items: Sequence[QaItem], config: Read
             numbers = " and ".join(str(k) for k in cited)
             quotes = "; and that ".join(kept[k - 1].text for k in cited)
             target = (f"Fact{'s' if len(cited) > 1 else ''} {numbers} state{'' if len(cited) > 1 else 's'} that "
-                      f"{quotes}. <answer>{item.answer}</answer>")
+                      f"{quotes}. {name_the_option(item)}")
             shown_gold = True
         else:  # a "no" question: the fact it asks about is absent by design
-            target, shown_gold = f"No fact states that. <answer>{item.answer}</answer>", True
+            target, shown_gold = f"No fact states that. {name_the_option(item)}", True
         stats["gold_shown" if shown_gold else "gold_withheld"] += 1
         conversation = [*kg_facts_prompt(item, kept), assistant(target)]
         examples.append(ReaderExample(item.qid, conversation, shown_gold, frozenset(_pair(t) for t in kept)))
