@@ -746,3 +746,38 @@ def test_a2rag_gives_smollm2_graph_tokens_as_input_embeddings(tools: KnowledgeTo
         answer = result.steps[-1]
         assert result.stats["hiim"] == "graph-tokens" and answer.arguments["graph_tokens"] == 10
         assert answer.completion_tokens > 0
+
+
+# --------------------------------------------------------------------------- a separate reader
+
+
+@pytest.mark.parametrize("method", ["cot", "rag", "irag", "a2rag-no-hiim", "sema-rag", "graph-r1"])
+def test_a_reader_takes_the_answering_call_and_nothing_else(tools: KnowledgeTools, method: str):
+    """`reader=` (e.g. the adapted reader) changes only who answers: the method's own model gets exactly the
+    calls it gets alone, less the answering call, and the reader gets that call and nothing else. Graph-R1's
+    policy answers itself (the paper trains it to), so its reader is never asked."""
+    def script():
+        sema = sema_reply(['{"sufficient": true, "gap": "", "queries": []}'])
+
+        def reply(conversation: Conversation) -> str:
+            if "Action:" in conversation[0].content:  # A2RAG's AWC turn
+                return "Action: T_Final"
+            if "<search>" in conversation[0].content:  # Graph-R1's policy
+                return "<think>amlodipine treats it.</think>\n<answer>A</answer>"
+            return sema(conversation) if method == "sema-rag" else "<answer>A</answer>"
+        return reply
+
+    config = make_config(method, CHEAP_A2RAG if method.startswith("a2rag") else None)
+    alone = ScriptedChatModel(script())
+    (result_alone,) = run_method(method, [TREAT], tools, alone, config)
+    calls_alone = [c for call in alone.calls for c in call]
+
+    agent, reader = ScriptedChatModel(script()), ScriptedChatModel(lambda conversation: "<answer>B</answer>")
+    (result,) = run_method(method, [TREAT], tools, agent, config, reader=reader)
+    to_agent = [c for call in agent.calls for c in call]
+    to_reader = [c for call in reader.calls for c in call]
+    if method == "graph-r1":
+        assert to_reader == [] and to_agent == calls_alone and result.prediction == result_alone.prediction == "A"
+        return
+    assert to_agent == calls_alone[:-1] and to_reader == calls_alone[-1:]
+    assert result_alone.prediction == "A" and result.prediction == "B"

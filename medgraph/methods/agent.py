@@ -51,6 +51,7 @@ class Generate:
     conversation: Conversation
     config: GenerationConfig
     graph_tokens: Tensor | None = None
+    answering: bool = False  # the answering call: the reader answers it when one is given (`run_lockstep`)
 
 
 @dataclass(frozen=True)
@@ -91,7 +92,7 @@ def answer_call(item: QaItem, conversation: Conversation, config: GenerationConf
                 graph_tokens: Tensor | None = None, arguments: dict[str, object] | None = None,
                 retrieved_ids: Sequence[str] = ()) -> Generator[Request, Any, FinalReply]:
     """Ask for the final answer (a step "answer"), and once more if the reply holds no readable answer."""
-    completion = yield Generate(conversation, config, graph_tokens)
+    completion = yield Generate(conversation, config, graph_tokens, answering=True)
     step = step_from_completion(len(steps), "answer", completion, arguments)
     step.retrieved_ids = list(retrieved_ids)
     steps.append(step)
@@ -101,13 +102,15 @@ def answer_call(item: QaItem, conversation: Conversation, config: GenerationConf
 
 def complete_final_answer(item: QaItem, conversation: Conversation, completion: Completion,
                           config: GenerationConfig, steps: list[Step], reply: str | None,
-                          graph_tokens: Tensor | None = None) -> Generator[Request, Any, FinalReply]:
+                          graph_tokens: Tensor | None = None,
+                          answering: bool = True) -> Generator[Request, Any, FinalReply]:
     """The final reply: `reply` (what the method reads its answer from, None for no answer) when an answer
     can be read from it; otherwise the same conversation, `completion`'s reply and a request for only the
     answer go to the model once more (a step "final_answer", constrained to the option tags for a
     multiple-choice item) and that reply counts.
 
-    `conversation` is what `completion` answered (without the reply).
+    `conversation` is what `completion` answered (without the reply); `answering`: the second call goes to
+    the reader (False where the agent's own model answers, as Graph-R1's policy does).
     """
     if reply is not None and parse_answer(reply, item) is not None:
         return FinalReply(reply)
@@ -115,7 +118,7 @@ def complete_final_answer(item: QaItem, conversation: Conversation, completion: 
     note = CUT_OFF_NOTE if cut else UNREADABLE_NOTE
     retry = [*conversation, assistant(completion.text), user(f"{note}\n{answer_instruction(item)}")]
     again = yield Generate(retry, config.but(max_new_tokens=FINAL_ANSWER_TOKENS, choices=answer_choices(item),
-                                             stop=()), graph_tokens)
+                                             stop=()), graph_tokens, answering=answering)
     readable = parse_answer(again.text, item) is not None
     why = (f"the answer reply was cut at {config.max_new_tokens} tokens without an answer" if cut
            else "no readable answer in the reply")
@@ -127,15 +130,16 @@ def complete_final_answer(item: QaItem, conversation: Conversation, completion: 
 # --------------------------------------------------------------------------- driving episodes
 
 
-def run_lockstep(episodes: Sequence[Episode], llm: ChatModel) -> list[MethodResult]:
-    """Drive the episodes to completion together; results in the order of `episodes`."""
+def run_lockstep(episodes: Sequence[Episode], llm: ChatModel, reader: ChatModel | None = None) -> list[MethodResult]:
+    """Drive the episodes to completion together; results in the order of `episodes`. With a `reader`, the
+    answering calls (`Generate.answering`) go to it and every other call to `llm`."""
     results: list[MethodResult | None] = [None] * len(episodes)
     pending: dict[int, Request] = {}
     for i, episode in enumerate(episodes):
         _advance(episodes, i, None, pending, results, first=True)
     while pending:
         _run_tools(episodes, pending, results)
-        _run_model(episodes, pending, results, llm)
+        _run_model(episodes, pending, results, llm, reader)
     return [r for r in results if r is not None]
 
 
@@ -173,16 +177,17 @@ def _run_tools(episodes: Sequence[Episode], pending: dict[int, Request], results
 
 
 def _run_model(episodes: Sequence[Episode], pending: dict[int, Request], results: list[MethodResult | None],
-               llm: ChatModel) -> None:
-    """One batched `generate` per distinct decoding config (a method uses one config per step)."""
-    by_config: dict[GenerationConfig, list[int]] = {}
+               llm: ChatModel, reader: ChatModel | None = None) -> None:
+    """One batched `generate` per distinct decoding config and model (a method uses one config per step)."""
+    by_call: dict[tuple[GenerationConfig, bool], list[int]] = {}
     for i, request in pending.items():
         if isinstance(request, Generate):
-            by_config.setdefault(request.config, []).append(i)
-    for config, ids in by_config.items():
+            by_call.setdefault((request.config, reader is not None and request.answering), []).append(i)
+    for (config, to_reader), ids in by_call.items():
         requests = [pending[i] for i in ids]
         tokens = [r.graph_tokens for r in requests]
-        completions: list[Completion] = llm.generate(
+        model = reader if to_reader and reader is not None else llm
+        completions: list[Completion] = model.generate(
             [r.conversation for r in requests], config,
             graph_tokens=tokens if any(t is not None for t in tokens) else None,
         )

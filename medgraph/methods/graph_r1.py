@@ -536,7 +536,9 @@ class GraphR1:
         answer = f"<answer>{state.answer}</answer>" if state.answer is not None else None
         # The episode (the RL environment's) is over; one that gave no readable answer is asked once more,
         # outside the environment, for just the answer.
-        reply = yield from complete_final_answer(item, asked, completion, self.generation, steps, answer)
+        # The policy answers, as the paper trains it to: no separate reader, not even for the retry.
+        reply = yield from complete_final_answer(item, asked, completion, self.generation, steps, answer,
+                                                 answering=False)
         stats = {
             "turns": state.turns, "out_of_turns": state.truncated, "actions": state.actions,
             "well_formed_turns": sum(state.well_formed), "format_ok": all(state.well_formed),

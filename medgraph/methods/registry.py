@@ -141,23 +141,29 @@ def build_method(name: str, tools: KnowledgeTools, llm: ChatModel, config: objec
 
 def run_method(name: str, items: Sequence[QaItem], retriever: Retriever | KnowledgeTools, llm: ChatModel,
                config: object | None = None, batch_size: int = 8,
-               graph_tokenizer: GraphTokenEncoder | None = None) -> list[MethodResult]:
+               graph_tokenizer: GraphTokenEncoder | None = None,
+               reader: ChatModel | None = None) -> list[MethodResult]:
     """Answer `items` with a method (or named ablation), `batch_size` questions in lockstep at a time.
 
     Pass a `KnowledgeTools` instead of a Retriever to share its caches (concept dictionary,
     triple vectors) across several runs. The LLM's prefix cache is not shared: each run starts
     with it empty, so a method's prompt tokens computed and its latency are its own (an ablation
     run after its full method would otherwise reuse the full method's prompts).
+
+    `reader`: a model for the answering calls only (`agent.Generate.answering`; e.g. the adapted reader of
+    `medgraph.rl.reader`); retrieval, routing, queries and agent turns stay with `llm`. Graph-R1's policy
+    answers itself.
     """
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     tools = retriever if isinstance(retriever, KnowledgeTools) else KnowledgeTools(retriever)
     method = build_method(name, tools, llm, config, graph_tokenizer)
-    llm.clear_prefix_cache()
+    for model in (llm, reader) if reader is not None else (llm,):
+        model.clear_prefix_cache()
     results: list[MethodResult] = []
     for start in range(0, len(items), batch_size):
         batch = items[start:start + batch_size]
-        results += run_lockstep([method.episode(item) for item in batch], llm)
+        results += run_lockstep([method.episode(item) for item in batch], llm, reader)
     for result in results:
         result.method = name
     record_evidence_recall(tools, items, results)
