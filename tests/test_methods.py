@@ -449,6 +449,21 @@ def test_sema_rag_without_early_stop_keeps_searching_after_a_sufficient_judgment
     assert not result.stats["early_stop"] and result.stats["sufficiency"] == [True, True]
 
 
+def test_sema_rag_without_early_stop_searches_on_when_a_sufficient_judgment_names_no_query(tools: KnowledgeTools):
+    """A "sufficient" judgment names no follow-up query; without early stop the next rounds search the stated
+    gap, then the schema query with each option, instead of stopping like the full method."""
+    judgments = [json.dumps({"sufficient": True, "gap": "", "queries": []})] * 2
+    (result,) = run_method("sema-rag-no-early-stop", [TREAT], tools, ScriptedChatModel(sema_reply(judgments)),
+                           make_config("sema-rag-no-early-stop", {"max_rounds": 3, "max_queries_per_round": 2}))
+    assert result.stats["rounds"] == 3 and result.stats["stop_reason"] == "max_rounds"
+    queries = [s.arguments["queries"] for s in result.steps if s.action == "retrieve"]
+    first = queries[0][0]
+    assert queries[1:] == [[f"{first} | amlodipine", f"{first} | salbutamol"],
+                           [f"{first} | insulin", f"{first} | aspirin"]]
+    (full,) = run_method("sema-rag", [TREAT], tools, ScriptedChatModel(sema_reply(judgments[:1])))
+    assert full.stats["rounds"] == 1 and full.stats["stop_reason"] == "sufficient"
+
+
 @pytest.mark.parametrize("judgment", [
     "Sufficient: no\nGap: dosing\nQueries: none",
     ('{"sufficient": false, "gap": "x", "queries": ["Drugs that treat hypertension | entities: Hypertension | '

@@ -57,7 +57,9 @@ class SemaRagConfig:
     use_a_agent: bool = True
     max_rounds: int = 3
     # False: a "sufficient" judgment does not end the loop (the ablation the early-stop claim is measured
-    # against); a round with no new query still ends it, since there is nothing left to retrieve.
+    # against). A sufficient judgment names no follow-up query, so the next round searches what is still
+    # unasked (`continuation_queries`: the stated gap, then the schema query with each option); only when even
+    # those were all asked does the loop end ("no_new_query").
     early_stop: bool = True
     max_queries_per_round: int = 3
     text_k: int = 3  # passages per query
@@ -146,6 +148,16 @@ def _truth(value: object) -> bool | None:
     if words[0].strip(".,") in _NO:
         return False
     return True if words[0].strip(".,") in _YES else None
+
+
+def continuation_queries(item: QaItem, schema: ClinicalSchema, judgment: Judgment) -> list[str]:
+    """Queries for a round the E-Agent judged unnecessary (the no-early-stop ablation): its stated gap, then
+    the schema's query with each option's text (evidence on the options is what the answer is chosen from).
+    Measured on the demo before this existed: every "sufficient" judgment came without queries, so the
+    ablation stopped after round 1 exactly like the full method (1.00 rounds both), a vacuous comparison."""
+    base = schema.linearize()
+    options = [text for text in item.options.values() if text.strip().lower() not in ("yes", "no", "maybe")]
+    return [q for q in (judgment.gap.strip(), *(f"{base} | {option}" for option in options)) if q]
 
 
 def parse_judgment(text: str) -> Judgment:
@@ -312,6 +324,9 @@ class SemaRag:
                 stop = "sufficient"
                 break
             fresh = [q for q in dict.fromkeys(judgment.queries) if _query_key(q) and _query_key(q) not in asked]
+            if not fresh and judgment.sufficient and not config.early_stop:
+                fresh = [q for q in continuation_queries(item, schema, judgment)
+                         if _query_key(q) and _query_key(q) not in asked]
             if not fresh:
                 stop = "no_new_query"
                 break
