@@ -76,8 +76,8 @@ def tools(tmp_path_factory: pytest.TempPathFactory, encoder) -> Iterator[Knowled
                     "trim(regexp_replace(lower(preferred_name), '[^a-z0-9]+', ' ', 'g')) AS normalized_name, "
                     "true AS is_preferred FROM kg.kg_nodes")
         con.execute("CREATE TABLE kg.kg_edges (edge_id VARCHAR, src_cui VARCHAR, rel VARCHAR, rela VARCHAR, "
-                    "relation VARCHAR, dst_cui VARCHAR, sab VARCHAR, sources VARCHAR[])")
-        con.executemany("INSERT INTO kg.kg_edges VALUES (?, ?, 'RO', ?, ?, ?, 'TEST', ['TEST'])",
+                    "relation VARCHAR, dst_cui VARCHAR, sab VARCHAR, source_count BIGINT)")
+        con.executemany("INSERT INTO kg.kg_edges VALUES (?, ?, 'RO', ?, ?, ?, 'TEST', 1)",
                         [(_edge_id(s, r, d), s, r, r, d) for s, r, d in EDGES])
     with Retriever(warehouse, encoder) as retriever:
         yield KnowledgeTools(retriever)

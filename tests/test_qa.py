@@ -361,7 +361,7 @@ def pad_with_unreachable_component(warehouse: Warehouse, edges: int) -> None:
     with warehouse.connect() as con:
         con.execute(f"""CREATE TABLE kg.kg_edges_padded AS SELECT * FROM kg.kg_edges UNION ALL
                         SELECT md5('pad' || i), 'P' || (i % {edges // 4}), 'RO', 'pad_link', 'pad_link',
-                               'P' || ((i * 7 + 1) % {edges // 4}), 'PAD', ['PAD'] FROM range({edges}) t(i)""")
+                               'P' || ((i * 7 + 1) % {edges // 4}), 'PAD', 1 FROM range({edges}) t(i)""")
         con.execute("DROP TABLE kg.kg_edges")
         con.execute("ALTER TABLE kg.kg_edges_padded RENAME TO kg_edges")
 
@@ -464,8 +464,8 @@ def write_kg(home: Path, nodes: list[tuple], edges: list[tuple[str, str, str]]) 
                     "semantic_types VARCHAR[], tuis VARCHAR[], definition VARCHAR, sources VARCHAR[])")
         con.executemany("INSERT INTO kg.kg_nodes VALUES (?, ?, ?, ?, ?, ?, ?)", nodes)
         con.execute("CREATE TABLE kg.kg_edges (edge_id VARCHAR, src_cui VARCHAR, rel VARCHAR, rela VARCHAR, "
-                    "relation VARCHAR, dst_cui VARCHAR, sab VARCHAR, sources VARCHAR[])")
-        con.executemany("INSERT INTO kg.kg_edges VALUES (md5(? || ? || ?), ?, 'RO', ?, ?, ?, 'TEST', ['TEST'])",
+                    "relation VARCHAR, dst_cui VARCHAR, sab VARCHAR, source_count BIGINT)")
+        con.executemany("INSERT INTO kg.kg_edges VALUES (md5(? || ? || ?), ?, 'RO', ?, ?, ?, 'TEST', 1)",
                         [(s, r, d, s, r, r, d) for s, r, d in edges])
     return warehouse
 
