@@ -188,7 +188,7 @@ def test_mc_has_one_correct_option_and_wrong_options_linked_by_other_relations(i
             assert not (edges.ancestors(distractor) & edges.objects[(subject, relation)]), item
 
 
-def test_every_letter_is_right_equally_often_in_each_split(items, edges):
+def test_every_letter_is_right_equally_often_in_each_split(items):
     """Answer positions are balanced per question type and split (a seeded shuffle put D right for 38% of the
     demo's validation and test 2-hop items), and the rotation keeps options, their concepts and the answer
     together."""

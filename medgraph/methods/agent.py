@@ -186,7 +186,7 @@ def _run_model(episodes: Sequence[Episode], pending: dict[int, Request], results
     for (config, to_reader), ids in by_call.items():
         requests = [pending[i] for i in ids]
         tokens = [r.graph_tokens for r in requests]
-        model = reader if to_reader and reader is not None else llm
+        model = (reader if to_reader else None) or llm
         completions: list[Completion] = model.generate(
             [r.conversation for r in requests], config,
             graph_tokens=tokens if any(t is not None for t in tokens) else None,

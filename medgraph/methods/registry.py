@@ -158,8 +158,9 @@ def run_method(name: str, items: Sequence[QaItem], retriever: Retriever | Knowle
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     tools = retriever if isinstance(retriever, KnowledgeTools) else KnowledgeTools(retriever)
     method = build_method(name, tools, llm, config, graph_tokenizer)
-    for model in (llm, reader) if reader is not None else (llm,):
-        model.clear_prefix_cache()
+    for model in (llm, reader):
+        if model is not None:
+            model.clear_prefix_cache()
     results: list[MethodResult] = []
     for start in range(0, len(items), batch_size):
         batch = items[start:start + batch_size]

@@ -47,7 +47,7 @@ from medgraph.methods.common import (
     parse_fields,
     step_from_completion,
 )
-from medgraph.methods.tools import KnowledgeTools, Passage
+from medgraph.methods.tools import KnowledgeTools, Passage, concept_options
 
 
 @dataclass(frozen=True)
@@ -156,8 +156,7 @@ def continuation_queries(item: QaItem, schema: ClinicalSchema, judgment: Judgmen
     Measured on the demo before this existed: every "sufficient" judgment came without queries, so the
     ablation stopped after round 1 exactly like the full method (1.00 rounds both), a vacuous comparison."""
     base = schema.linearize()
-    options = [text for text in item.options.values() if text.strip().lower() not in ("yes", "no", "maybe")]
-    return [q for q in (judgment.gap.strip(), *(f"{base} | {option}" for option in options)) if q]
+    return [q for q in (judgment.gap.strip(), *(f"{base} | {option}" for option in concept_options(item))) if q]
 
 
 def parse_judgment(text: str) -> Judgment:

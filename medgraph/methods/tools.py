@@ -36,6 +36,11 @@ from medgraph.text.mentions import SCHEMA as MENTIONS_SCHEMA
 _NON_CONCEPT_OPTIONS = frozenset({"yes", "no", "maybe", "none", "all of the above", "none of the above"})
 
 
+def concept_options(item: QaItem) -> list[str]:
+    """The texts of the item's options that name a concept (not yes / no / "none of the above")."""
+    return [text for text in item.options.values() if text.strip().lower() not in _NON_CONCEPT_OPTIONS]
+
+
 @dataclass(frozen=True)
 class Passage:
     """A retrieved chunk as evidence."""
@@ -100,8 +105,7 @@ class KnowledgeTools:
         """E_q: concepts mentioned in each question plus the concept each option names; when none is
         found, the question's nearest concepts by dense search (so no question starts from nothing)."""
         in_questions = self.mentioned_concepts([item.question for item in items])
-        option_names = [(i, text) for i, item in enumerate(items) for text in item.options.values()
-                        if text.strip().lower() not in _NON_CONCEPT_OPTIONS]
+        option_names = [(i, text) for i, item in enumerate(items) for text in concept_options(item)]
         in_options: list[list[str]] = [[] for _ in items]
         for (i, _), cuis in zip(option_names, self.named_concepts([t for _, t in option_names])):
             in_options[i] += cuis[:1]
