@@ -48,16 +48,18 @@ def metric_name(name: str) -> str:
 
 @dataclass(frozen=True)
 class Gate:
-    """What a candidate must do to become champion: strictly improve `metric` and, for each metric of
-    `not_worse` (same direction), not get worse."""
+    """What a candidate must do to become champion: strictly improve `metric`, for each metric of
+    `not_worse` (same direction) not get worse, and keep each metric of `at_most` at or below its bound
+    (an absolute limit, whatever the reference: e.g. the reader adapter's gain without evidence)."""
 
     metric: str
     higher_is_better: bool = True
     not_worse: tuple[str, ...] = ()
+    at_most: tuple[tuple[str, float], ...] = ()
 
     @property
     def metrics(self) -> tuple[str, ...]:
-        return (self.metric, *self.not_worse)
+        return (self.metric, *self.not_worse, *(name for name, _ in self.at_most))
 
     def better(self, candidate: float, reference: float) -> bool:
         return candidate > reference if self.higher_is_better else candidate < reference
@@ -91,9 +93,17 @@ GRAPH_R1_POLICY_MODEL = RegisteredModel(
     "graph_r1_policy", "medgraph-graph-r1-policy", Gate("valid_reward", not_worse=("valid_accuracy",)),
     "the GRPO policy (models/graph_r1_policy); vs its SFT start validated at step 0")
 
+# The reader must read better with the gold facts shown and must not answer better than the base reader without
+# them (by more than 0.10): that gain could only come from memorising the KG (medgraph/rl/reader.py).
+READER_ADAPTER_MODEL = RegisteredModel(
+    "reader_adapter", "medgraph-reader-adapter",
+    Gate("valid_oracle_accuracy", at_most=(("valid_no_evidence_gain", 0.10),)),
+    "the reader adapted to read evidence (models/reader_adapter); vs the base reader")
+
 # Every registered model of the platform, by key.
 MODELS: dict[str, RegisteredModel] = {model.key: model for model in
-                                      (GAT_MODEL, HIIM_PROJECTOR_MODEL, GRAPH_R1_SFT_MODEL, GRAPH_R1_POLICY_MODEL)}
+                                      (GAT_MODEL, HIIM_PROJECTOR_MODEL, GRAPH_R1_SFT_MODEL, GRAPH_R1_POLICY_MODEL,
+                                       READER_ADAPTER_MODEL)}
 
 
 @dataclass(frozen=True)
@@ -479,7 +489,8 @@ class Tracking:
             return False, "already champion"
         if reference is None:
             return True, "no champion and no baseline"
-        missing = [m for m in gate.metrics if m not in compared or compared[m][1] is None]
+        bounded = {name for name, _ in gate.at_most}
+        missing = [m for m in gate.metrics if m not in compared or (compared[m][1] is None and m not in bounded)]
         if missing:
             return False, f"no reference value for {', '.join(missing)}"
         value, ref = compared[gate.metric]
@@ -488,7 +499,11 @@ class Tracking:
         worse = [m for m in gate.not_worse if not gate.not_worse_than(*compared[m])]
         if worse:
             return False, f"{gate.metric} is better but {', '.join(worse)} got worse"
+        over = [f"{m} = {compared[m][0]:.4f} > {bound}" for m, bound in gate.at_most if compared[m][0] > bound]
+        if over:
+            return False, f"{gate.metric} is better but {'; '.join(over)}"
         guards = f" and {', '.join(gate.not_worse)} not worse" if gate.not_worse else ""
+        guards += "".join(f" and {m} <= {bound}" for m, bound in gate.at_most)
         return True, f"{gate.metric} beats the reference{guards}"
 
     def model_uri(self, name: str, alias: str = CHAMPION) -> str:

@@ -94,6 +94,23 @@ def test_a_two_metric_gate_needs_the_first_better_and_the_second_not_worse(track
     assert tracking.champion_version("medgraph-test") == best
 
 
+def test_an_at_most_bound_holds_whatever_the_reference(tracking: Tracking):
+    # The reader adapter's gate: read better with the evidence, and do not answer better without it.
+    gate = Gate("valid_oracle_accuracy", at_most=(("valid_no_evidence_gain", 0.10),))
+    base = Baseline("base reader", {"valid_oracle_accuracy": 0.25, "valid_no_evidence_gain": 0.0})
+    memorised = log_candidate(tracking, valid_oracle_accuracy=0.9, valid_no_evidence_gain=0.25)
+    decision = tracking.promote_if_better("medgraph-test", memorised, gate, baseline=base)
+    assert not decision.promoted and "valid_no_evidence_gain = 0.2500 > 0.1" in decision.reason
+    reads = log_candidate(tracking, valid_oracle_accuracy=0.5, valid_no_evidence_gain=0.10)
+    assert tracking.promote_if_better("medgraph-test", reads, gate, baseline=base).promoted
+    # Against the champion: the bound is still absolute (the champion's own gain is not the reference).
+    better_but_memorised = log_candidate(tracking, valid_oracle_accuracy=0.6, valid_no_evidence_gain=0.125)
+    assert not tracking.promote_if_better("medgraph-test", better_but_memorised, gate, baseline=base).promoted
+    not_better = log_candidate(tracking, valid_oracle_accuracy=0.5, valid_no_evidence_gain=-0.1)
+    assert not tracking.promote_if_better("medgraph-test", not_better, gate, baseline=base).promoted
+    assert tracking.champion_version("medgraph-test") == reads
+
+
 def test_models_load_by_alias_and_artifacts_stay_under_the_root(tracking: Tracking, tmp_path: Path):
     version = log_candidate(tracking, 0.6)
     tracking.promote_if_better("medgraph-test", version, "val_auc", baseline=UNTRAINED)
