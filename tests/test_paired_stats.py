@@ -64,6 +64,22 @@ def test_comparisons_pair_by_question_and_ablations_compare_with_their_method():
     assert ("rag", "rag", "correct") not in found
 
 
+def test_adapted_reader_rows_compare_with_the_same_reader_and_with_their_base_reader_row():
+    rows = (_rows("rag", [1, 0, 0, 0]) + _rows("rag@adapted", [1, 1, 0, 0]) + _rows("rag-kg", [0, 0, 0, 0])
+            + _rows("rag-kg@adapted", [1, 1, 1, 1]) + _rows("a2rag", [1, 0, 1, 0])
+            + _rows("a2rag-no-hiim@adapted", [1, 1, 1, 0]))
+    found = {(c.kind, c.method, c.reference): c for c in
+             paired_comparisons(rows, reference="rag", ablations={"a2rag-no-hiim": "a2rag"}) if c.metric == "correct"}
+    assert found[("method", "rag-kg@adapted", "rag@adapted")].difference == pytest.approx(0.5)
+    assert found[("reader", "rag-kg@adapted", "rag-kg")].difference == pytest.approx(1.0)
+    assert found[("reader", "rag@adapted", "rag")].difference == pytest.approx(0.25)
+    assert ("method", "rag@adapted", "rag") not in found  # the reference is compared by reader, not as a method
+    # The ablation's full method has no adapted row (HIIM keeps the base reader): no ablation pair, a reader pair
+    # neither (no base-reader a2rag-no-hiim row), and never a cross-reader ablation comparison.
+    assert not [k for k in found if k[1] == "a2rag-no-hiim@adapted"]
+    assert ("method", "rag-kg", "rag") in found
+
+
 def _gsrm(recalls: dict[int, list[float]], hops: int = 2):
     return [{"dataset": "kgqa_short", "qid": f"q{i}", "hops": hops, "iteration": k, "cutoff": 10, "recall": r}
             for k, values in recalls.items() for i, r in enumerate(values)]

@@ -13,6 +13,7 @@ import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 
+from medgraph.eval.readers import reader_label, split_reader
 from medgraph.eval.stats import BOOTSTRAP_RESAMPLES, BOOTSTRAP_SEED, paired_difference
 from medgraph.storage import Warehouse
 
@@ -24,7 +25,7 @@ METRICS = ("correct", "gold_fact_seen", "answer_seen")
 
 @dataclass(frozen=True)
 class Comparison:
-    kind: str  # "method" (vs the reference) or "ablation" (vs its full method)
+    kind: str  # "method" (vs the reference), "ablation" (vs its full method), "reader" (adapted vs base reader)
     method: str
     reference: str
     dataset: str
@@ -93,19 +94,24 @@ def paired_comparisons(rows: Sequence[Mapping[str, object]], reference: str = DE
                        ablations: Mapping[str, str] | None = None, metrics: Sequence[str] = METRICS,
                        resamples: int = BOOTSTRAP_RESAMPLES, seed: int = BOOTSTRAP_SEED) -> list[Comparison]:
     """Each method (not an ablation) vs `reference`, and each ablation vs the method it ablates
-    (`ablations`: ablation name -> method name), per dataset and metric."""
+    (`ablations`: ablation name -> method name), per dataset and metric. Rows of the adapted reader
+    (`rag@adapted`, `methods.registry.reader_label`) are compared with the same reader's reference or full
+    method, and each with its own base-reader row (kind "reader": what the adapted reader changes)."""
     ablations = dict(ablations or {})
     by_method = outcomes_by_method(rows)
     comparisons = []
     for method, dataset in sorted(by_method):
-        if method in ablations:
-            kind, against = "ablation", ablations[method]
-        elif method != reference:
-            kind, against = "method", reference
-        else:
-            continue
-        for metric in metrics:
-            found = compare(by_method, method, against, dataset, metric, kind, resamples, seed)
-            if found is not None:
-                comparisons.append(found)
+        name, reader = split_reader(method)
+        pairs = []
+        if name in ablations:
+            pairs.append(("ablation", reader_label(ablations[name], reader)))
+        elif name != reference:
+            pairs.append(("method", reader_label(reference, reader)))
+        if reader != "base":
+            pairs.append(("reader", name))
+        for kind, against in pairs:
+            for metric in metrics:
+                found = compare(by_method, method, against, dataset, metric, kind, resamples, seed)
+                if found is not None:
+                    comparisons.append(found)
     return comparisons

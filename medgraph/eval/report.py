@@ -19,6 +19,7 @@ from pathlib import Path
 
 from medgraph.eval.claims import Claim
 from medgraph.eval.paired import Comparison
+from medgraph.eval.readers import reader_label, split_reader
 from medgraph.eval.stats import SEPARABLE_CI_WIDTH
 from medgraph.files import write_atomically
 from medgraph.storage import Warehouse
@@ -262,9 +263,10 @@ def _ablation_rows(summaries: Sequence[Mapping[str, object]],
     paired = {(c.method, c.dataset): c for c in comparisons if c.kind == "ablation" and c.metric == "correct"}
     rows = []
     for s in summaries:
-        if s["method"] not in ABLATIONS:
+        name, reader = split_reader(str(s["method"]))
+        if name not in ABLATIONS:
             continue
-        method = ABLATIONS[str(s["method"])][0]
+        method = reader_label(ABLATIONS[name][0], reader)
         c = paired.get((s["method"], s["dataset"]))
         if c is None:
             rows.append((s["method"], method, s["dataset"], s["questions"], float(s["accuracy"]), "not run",
@@ -385,7 +387,18 @@ def build_report(data: ReportData, out_dir: Path) -> dict[str, Path]:
                           "95% CI", "McNemar / sign p", "verdict"],
                          [(c.method, c.reference, c.dataset, c.metric, c.n, c.method_mean, c.reference_mean,
                            c.difference, _interval(c), c.p_value, c.verdict) for c in versus])
-        sections.append((f"Paired comparison with {data.reference} (same questions)", md, tab, forest_plot(versus)))
+        sections.append((f"Paired comparison with {data.reference} (same questions, same reader: a `@adapted` row "
+                         f"is compared with {data.reference}@adapted)", md, tab, forest_plot(versus)))
+
+    readers = [c for c in data.comparisons if c.kind == "reader" and c.metric == "correct"]
+    if readers:
+        md, tab = _table(["method", "dataset", "n", "adapted reader", "base reader", "difference", "95% CI",
+                          "McNemar p", "verdict"],
+                         [(split_reader(c.method)[0], c.dataset, c.n, c.method_mean, c.reference_mean, c.difference,
+                           _interval(c), c.p_value, c.verdict) for c in readers])
+        sections.append(("Adapted reader vs base reader (the answering call only; retrieval and agent turns are the "
+                         "base model's; `oracle-evidence` is each reader's ceiling, `cot` its answer without evidence, "
+                         "which must stay near chance)", md, tab, forest_plot(readers)))
 
     ablations = _ablation_rows(summaries, data.comparisons)
     if ablations:
@@ -476,7 +489,8 @@ def build_report(data: ReportData, out_dir: Path) -> dict[str, Path]:
 
 def reading_check(results: Sequence[Mapping[str, object]], oracle: str = "oracle-evidence") -> list[dict[str, object]]:
     """Per (method, dataset): accuracy on the questions whose gold facts the method showed (every one) and on
-    those where it did not, and the `oracle-evidence` accuracy on the same dataset (the reader's ceiling)."""
+    those where it did not, and the `oracle-evidence` accuracy on the same dataset with the same reader (that
+    reader's ceiling)."""
     groups: dict[tuple[str, str], list[Mapping[str, object]]] = {}
     for row in results:
         groups.setdefault((str(row["method"]), str(row["dataset"])), []).append(row)
@@ -484,11 +498,12 @@ def reading_check(results: Sequence[Mapping[str, object]], oracle: str = "oracle
     for (method, dataset), group in sorted(groups.items()):
         measured = [r for r in group if r.get("gold_fact_seen") is not None
                     and not (isinstance(r["gold_fact_seen"], float) and math.isnan(r["gold_fact_seen"]))]
-        if not measured or method == oracle:
+        name, reader = split_reader(method)
+        if not measured or name == oracle:
             continue
         shown = [bool(r["correct"]) for r in measured if float(r["gold_fact_seen"]) >= 1.0]
         hidden = [bool(r["correct"]) for r in measured if float(r["gold_fact_seen"]) < 1.0]
-        ceiling = [bool(r["correct"]) for r in groups.get((oracle, dataset), [])]
+        ceiling = [bool(r["correct"]) for r in groups.get((reader_label(oracle, reader), dataset), [])]
         rows.append({"method": method, "dataset": dataset,
                      "shown_accuracy": sum(shown) / len(shown) if shown else None, "shown_n": len(shown),
                      "hidden_accuracy": sum(hidden) / len(hidden) if hidden else None, "hidden_n": len(hidden),
