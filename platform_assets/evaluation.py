@@ -25,6 +25,7 @@ from medgraph.eval.monitoring import (
     step_budget_alarm,
 )
 from medgraph.eval.questions import load_mirage, write_mirage
+from medgraph.eval.readers import READERS, base_reader_only, load_adapted_reader, reader_label
 from medgraph.methods.registry import make_config, run_method
 from medgraph.methods.tools import KnowledgeTools
 from medgraph.retrieval import Retriever
@@ -79,6 +80,9 @@ class EvalConfig(dg.Config):
     """Questions advancing in lockstep (one LLM call per agent step)."""
     method_config: str = "{}"
     """JSON object: method or ablation name -> configuration overrides, e.g. {"a2rag": {"tau": 0.4}}."""
+    readers: list[str] = ["base"]
+    """Who answers each method's answering call: base (the LLM) and/or adapted (the `medgraph-reader-adapter`
+    champion; results labelled `<method>@adapted`). Graph-R1 and A2RAG's HIIM row keep the base reader."""
 
 
 def _load_policy(methods: list[str] | tuple[str, ...],
@@ -134,7 +138,12 @@ def _eval_asset(name: str, methods: tuple[str, ...], model_deps: tuple[dg.AssetK
 
             graph_tokenizer = load_champion_graph_tokenizer(chat, store, tracking)
         policies, environment = _load_policy(config.methods or methods, tracking)
+        unknown = set(config.readers) - set(READERS)
+        if unknown:
+            raise dg.Failure(f"unknown readers {sorted(unknown)} in run config: {', '.join(READERS)}")
+        adapted, adapted_source = load_adapted_reader(tracking) if "adapted" in config.readers else (None, "")
         lineage = {"llm": chat.name, "encoder": encoder.load().encoder_id,
+                   "readers": ", ".join(config.readers) + (f" (adapted: {adapted_source})" if adapted_source else ""),
                    "hiim": "graph-tokens" if graph_tokenizer is not None else "text-only",
                    "graph_r1_policy": "; ".join(f"{m}: {c.description}" for m, (c, _) in policies.items()) or "n/a"}
         if environment:  # the trained policy's environment; method_config still wins
@@ -152,17 +161,26 @@ def _eval_asset(name: str, methods: tuple[str, ...], model_deps: tuple[dg.AssetK
                 mlflow_tracking.start_asset_run(context, inputs, run_name=f"{name}-{dataset}") as run:
             mlflow.set_tags({"dataset": dataset, **{f"lineage/{k}": v for k, v in lineage.items()}})
             tools = KnowledgeTools.with_home_cache(retriever, home)
-            for method in config.methods or methods:
+            for reader_name, method in ((r, m) for r in config.readers for m in config.methods or methods):
                 choice, policy = policies.get(method, (None, None))
                 if choice is not None and choice.source is None:  # e.g. SFT-only without an SFT champion
                     context.log.warning(f"{method} on {dataset}: {choice.description}")
                     continue
+                label = reader_label(method, reader_name)
+                reader = adapted if reader_name == "adapted" else None
+                why_not = base_reader_only(method) if reader_name == "adapted" else None
+                if reader_name == "adapted" and (reader is None or why_not):
+                    context.log.warning(f"{label} on {dataset}: not run: {why_not or adapted_source}")
+                    continue
                 model = policy if policy is not None else chat
-                context.log.info(f"{method} on {dataset}: {len(items)} questions with {model.name}")
+                context.log.info(f"{label} on {dataset}: {len(items)} questions with {model.name}"
+                                 + (f", answered by {reader.name}" if reader is not None else ""))
                 answered = run_method(method, items, tools, model, make_config(method, overrides.get(method)),
-                                      batch_size=config.batch_size, graph_tokenizer=graph_tokenizer)
-                for result in answered if choice is not None else ():
-                    result.stats.update(graph_r1_policy=choice.description, graph_r1_policy_source=choice.source)
+                                      batch_size=config.batch_size, graph_tokenizer=graph_tokenizer, reader=reader)
+                for result in answered:
+                    result.method = label
+                    if choice is not None:
+                        result.stats.update(graph_r1_policy=choice.description, graph_r1_policy_source=choice.source)
                 results += answered
             summaries = summarize(results)
             for s in summaries:
@@ -188,6 +206,7 @@ def _eval_asset(name: str, methods: tuple[str, ...], model_deps: tuple[dg.AssetK
     return _evaluate
 
 
+READER = dg.AssetKey(["models", "reader_adapter"])
 GAT = dg.AssetKey(["models", "gat_model"])
 PROJECTOR = dg.AssetKey(["models", "hiim_projector"])
 GSRM_PARAMS = dg.AssetKey(["models", "gsrm_params"])
@@ -195,16 +214,16 @@ POLICY = dg.AssetKey(["models", "graph_r1_policy"])
 SFT = dg.AssetKey(["models", "graph_r1_sft"])
 
 eval_assets = [
-    _eval_asset("eval_baselines", ("cot", "rag", "rag-kg", "irag", "oracle-evidence"), (),
+    _eval_asset("eval_baselines", ("cot", "rag", "rag-kg", "irag", "oracle-evidence"), (READER,),
                 "Baselines: chain of thought; MedRAG (text snippets, BM25 + dense, RRF); rag-kg, our variant with "
                 "KG triples; i-MedRAG (follow-up queries, each answered from its snippets); oracle-evidence, the "
                 "reader's ceiling (the gold facts and wrong-relation triples of the same concepts)."),
-    _eval_asset("eval_a2rag", ("a2rag",), (GAT, PROJECTOR, GSRM_PARAMS),
+    _eval_asset("eval_a2rag", ("a2rag",), (GAT, PROJECTOR, GSRM_PARAMS, READER),
                 "A2RAG (AWC + GSRM + HIIM with the champion projector, text-only fallback recorded)."),
     _eval_asset("eval_graph_r1", ("graph-r1",), (SFT, POLICY),
                 "The Graph-R1 agent driven by the GRPO champion, else the SFT champion, else the base LLM (said in "
                 "its lineage); ablations graph-r1-no-sft (base LLM) and graph-r1-sft-only."),
-    _eval_asset("eval_sema_rag", ("sema-rag",), (),
+    _eval_asset("eval_sema_rag", ("sema-rag",), (READER,),
                 "SEMA-RAG (I-Agent schema, E-Agent sufficiency loop, A-Agent evidence report)."),
 ]
 

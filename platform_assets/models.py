@@ -1,10 +1,11 @@
-"""Trained models: the GAT pretrained on UMLS triples (and, built on it, the HIIM projector).
+"""Trained models: the GAT pretrained on UMLS triples (and, built on it, the HIIM projector), and the reader
+adapted to read evidence.
 
 Each model asset trains, logs to MLflow (`medgraph/<asset>`), registers a new
 version and moves the `champion` alias only if that version beats the
 current champion on the validation metric or, with none yet, the baseline it
 starts from, measured on the same validation items (`Tracking.register_and_gate`):
-the untrained GAT, A2RAG's text-only answer. Evaluation loads models by
+the untrained GAT, A2RAG's text-only answer, the base reader. Evaluation loads models by
 alias, so a worse retraining run is recorded but changes nothing downstream.
 """
 
@@ -25,10 +26,23 @@ from medgraph.gnn.graph_tokens import (
 )
 from medgraph.gnn.train import FEATURE_TABLE, GatConfig, pick_device, train_gat
 from medgraph.gnn.training_log import history_markdown, log_gat_result, result_metadata, untrained_baseline
+from medgraph.llm.hf import TransformersChatModel
 from medgraph.methods.tools import KnowledgeTools
 from medgraph.retrieval import Retriever
+from medgraph.rl.model import save_policy
+from medgraph.rl.policy import log_policy
+from medgraph.rl.reader import (
+    ReaderConfig,
+    base_reader_baseline,
+    gate_metrics,
+    held_out_pairs,
+    reader_examples,
+    reading_accuracy,
+    train_reader_adapter,
+)
+from medgraph.rl.sft import load_qa_items
 from medgraph.settings import load_settings, redact_uri
-from medgraph.tracking import GAT_MODEL, HIIM_PROJECTOR_MODEL, checkpoint_dir
+from medgraph.tracking import GAT_MODEL, HIIM_PROJECTOR_MODEL, READER_ADAPTER_MODEL, checkpoint_dir
 from platform_assets.automation import gpu_model_asset
 from resources import EncoderResource, LlmResource, MlflowResource, WarehouseResource
 
@@ -151,4 +165,81 @@ def hiim_projector(context: dg.AssetExecutionContext, config: ProjectorTrainingC
     )
 
 
-defs = dg.Definitions(assets=[gat_model, hiim_projector])
+READER_INPUTS = [dg.AssetKey(["qa", "qa_items"]), dg.AssetKey(["kg", "kg_edges"]), dg.AssetKey(["kg", "kg_node_text"])]
+
+
+class ReaderAdapterConfig(dg.Config):
+    profile: str | None = None
+    """tiny | demo | full (default: MEDGRAPH_PROFILE): steps, batch size, LoRA, validation questions."""
+    steps: int | None = None
+    lr: float | None = None
+    valid_items: int | None = None
+    """Validation questions of the gate (the first N of `valid_dataset` in qid order)."""
+    gold_share: float | None = None
+    """Share of the multiple-choice examples that show their gold facts (RAFT's P); the rest withhold them."""
+    seed: int = 0
+    device: str = "auto"
+
+    def reader_config(self) -> ReaderConfig:
+        config = ReaderConfig.profile(self.profile or load_settings().profile, seed=self.seed,
+                                      **{k: v for k, v in (("valid_items", self.valid_items),
+                                                           ("gold_share", self.gold_share)) if v is not None})
+        return config.but(seed=self.seed, device=self.device,
+                          **{k: v for k, v in (("steps", self.steps), ("lr", self.lr)) if v is not None})
+
+
+@gpu_model_asset("reader_adapter", READER_INPUTS, code_version="1")
+def reader_adapter(context: dg.AssetExecutionContext, config: ReaderAdapterConfig, warehouse: WarehouseResource,
+                   encoder: EncoderResource, llm: LlmResource, mlflow_tracking: MlflowResource) -> dg.MaterializeResult:
+    """A LoRA adapter of the base LLM that reads KG evidence (RAFT-style, `medgraph.rl.reader`): trained on the
+    train split's questions with their gold facts among distractors (withheld in a share), never a fact joining
+    a validation or test question's concepts; registered merged as `medgraph-reader-adapter`, `champion` moving
+    only when its validation accuracy with the gold facts shown (`oracle-evidence`) beats the champion's or, with
+    none, the base reader's, while its accuracy without evidence (`cot`) stays within 0.10 of the base reader's.
+    Evaluation runs `reader: adapted` rows with the champion."""
+    reader_config = config.reader_config()
+    store, base, tracking = warehouse.get_warehouse(), llm.load(), mlflow_tracking.tracking()
+    if not isinstance(base, TransformersChatModel):
+        raise dg.Failure(f"the reader adapter trains an in-process transformers model (MEDGRAPH_LLM = a built-in "
+                         f"name or a local checkpoint); {llm.spec!r} is served by {type(base).__name__}")
+    train = load_qa_items(store, "train")
+    held_out = held_out_pairs([*load_qa_items(store, "validation"), *load_qa_items(store, "test")])
+    valid = [item for item in load_qa_items(store, "validation")
+             if item.dataset == reader_config.valid_dataset][: reader_config.valid_items]
+    if not valid:
+        raise dg.Failure(f"no validation questions of {reader_config.valid_dataset!r} in qa/qa_items: the champion "
+                         "gate needs them")
+    out = Path(warehouse.home) / "checkpoints" / "reader_adapter" / context.run.run_id
+    with Retriever(store, encoder.load()) as retriever, mlflow_tracking.start_asset_run(context, READER_INPUTS):
+        tools = KnowledgeTools(retriever)
+        examples, counts = reader_examples(retriever.graph, train, reader_config, held_out)
+        context.log.info(f"reader adapter: {len(examples)} examples from {len(train)} train questions "
+                         f"({dict(counts)}); gate on {len(valid)} validation questions of {reader_config.valid_dataset}")
+        mlflow.log_params({**reader_config.as_dict(), "base_model": base.name})
+        mlflow.log_metrics({f"examples_{k}": float(v) for k, v in counts.items()})
+        base_reading = reading_accuracy(base, tools, valid)
+        result = train_reader_adapter(base.model_dir, examples, reader_config, held_out, name=f"{base.name}+reader",
+                                      log_fn=lambda step, metrics: mlflow.log_metrics(metrics, step=step))
+        save_policy(result.policy, out)  # merged: evaluation loads one plain checkpoint, as it does a policy
+        metrics = {**result.metrics, **gate_metrics(base_reading, reading_accuracy(base, tools, valid,
+                                                                                   reader=result.policy))}
+        mlflow.log_metrics(metrics)
+        model_uri = log_policy(out, result.policy.name, metadata={"base_model": base.name,
+                                                                  "reader_config": reader_config.as_dict()},
+                               artifact_path="reader")
+        registration = tracking.register_and_gate(model_uri, READER_ADAPTER_MODEL,
+                                                  base_reader_baseline(base_reading, base.name),
+                                                  tags={"dagster/run_id": context.run.run_id, "llm": base.name})
+    shutil.rmtree(out, ignore_errors=True)  # the checkpoint is in MLflow now
+    context.log.info(f"reader adapter: oracle-evidence {metrics['valid_oracle_accuracy']:.3f} (base "
+                     f"{metrics['valid_base_oracle_accuracy']:.3f}), no evidence {metrics['valid_no_evidence_accuracy']:.3f} "
+                     f"(base {metrics['valid_base_no_evidence_accuracy']:.3f}) on {len(valid)} validation questions; "
+                     f"{registration.promotion.reason}")
+    return dg.MaterializeResult(
+        metadata={**registration.as_metadata(), "base_model": base.name, "validation_questions": len(valid),
+                  **{f"examples_{k}": v for k, v in counts.items()}, **metrics},
+        data_version=dg.DataVersion(registration.data_version),
+    )
+
+
+defs = dg.Definitions(assets=[gat_model, hiim_projector, reader_adapter])

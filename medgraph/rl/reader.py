@@ -28,17 +28,21 @@ from __future__ import annotations
 import random
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from medgraph.eval.questions import QaItem
 from medgraph.kg.graph import KnowledgeGraph, Triple
-from medgraph.llm.base import Conversation, assistant
+from medgraph.llm.base import ChatModel, Conversation, assistant
 from medgraph.methods.baselines import kg_facts_prompt, oracle_triples, stated_keys
 from medgraph.methods.common import gold_edge_ids, gold_facts, gold_pairs
+from medgraph.methods.registry import run_method
+from medgraph.methods.tools import KnowledgeTools
 from medgraph.rl.model import LoraSettings, load_trainable
 from medgraph.rl.rollout import encode_conversation
 from medgraph.rl.sft import SftConfig, SftResult, fit_replies
+from medgraph.settings import profile_config
+from medgraph.tracking import Baseline
 
 Pair = frozenset[str]
 
@@ -47,18 +51,40 @@ NOT_FOUND = "None of the facts answers the question."
 
 @dataclass(frozen=True)
 class ReaderConfig:
-    """The examples and the LoRA fit of a reader adapter."""
+    """The examples, the LoRA fit and the validation of a reader adapter."""
 
     gold_share: float = 0.8  # RAFT's P: examples whose gold facts are shown (multiple choice; yes/no always)
     max_wrong: int = 6  # distractor triples per question at most (as `oracle-evidence`)
     fit: SftConfig = field(default_factory=lambda: SftConfig(
         steps=60, batch_size=8, micro_batch_size=4, lr=1e-3, lora_r=16, lora_alpha=32, lora_layers=None))
+    valid_dataset: str = "kgqa_mc"  # the gate's questions: the first `valid_items` of this validation dataset
+    valid_items: int = 48
     seed: int = 0
+
+    @classmethod
+    def profile(cls, name: str, **overrides: object) -> ReaderConfig:
+        return profile_config(READER_PROFILES, "reader adapter", name, **overrides)
+
+    def but(self, **fit: object) -> ReaderConfig:
+        """This config with the given fields of its LoRA fit (`SftConfig`) replaced."""
+        return replace(self, fit=replace(self.fit, **fit))
 
     def as_dict(self) -> dict[str, object]:
         fit = {f"fit_{k}": v for k, v in asdict(self.fit).items()
                if k in ("steps", "batch_size", "micro_batch_size", "lr", "lora_r", "lora_alpha", "lora_layers")}
-        return {"gold_share": self.gold_share, "max_wrong": self.max_wrong, "seed": self.seed, **fit}
+        return {"gold_share": self.gold_share, "max_wrong": self.max_wrong, "valid_dataset": self.valid_dataset,
+                "valid_items": self.valid_items, "seed": self.seed, **fit}
+
+
+READER_PROFILES = {
+    "tiny": ReaderConfig(fit=SftConfig(steps=2, batch_size=2, micro_batch_size=1, lr=1e-3, lora_r=8, lora_alpha=16,
+                                       lora_layers=2), valid_items=4),
+    # `make demo` on 2 CPU cores: 60 steps of 8 examples (~9 s a step); measured in benchmarks/README.md.
+    "demo": ReaderConfig(fit=SftConfig(steps=60, batch_size=8, micro_batch_size=4, lr=1e-3, lora_r=16,
+                                       lora_alpha=32, progress=True), valid_items=48),
+    "full": ReaderConfig(fit=SftConfig(steps=600, batch_size=16, micro_batch_size=8, lr=2e-4, lora_r=16,
+                                       lora_alpha=32, progress=True), valid_items=200),
+}
 
 
 @dataclass(frozen=True)
@@ -96,6 +122,25 @@ def name_the_option(item: QaItem) -> str:
     return f"The answer is {item.options[item.answer]}, option {item.answer}. <answer>{item.answer}</answer>"
 
 
+# A target longer than this (about 50 SmolLM2 tokens) would be cut by the methods' 64-token answer budget before it names
+# the answer (`OracleEvidenceConfig.max_new_tokens`); a 2-hop citation then quotes only the fact naming the answer.
+TARGET_CHARS = 200
+
+
+def _citing_target(item: QaItem, facts: Sequence[Triple], cited: Sequence[int]) -> str:
+    """"Facts 1 and 3 state that <fact 1>; and that <fact 3>. The answer is ..." (1-based fact numbers), with
+    only the facts that touch an answer concept quoted when the whole would not fit the answer budget."""
+    numbers = " and ".join(str(k) for k in cited)
+    lead = f"Fact{'s' if len(cited) > 1 else ''} {numbers} state{'' if len(cited) > 1 else 's'} that "
+    target = f"{lead}{'; and that '.join(facts[k - 1].text for k in cited)}. {name_the_option(item)}"
+    answers = set(item.extra.get("answer_cuis") or ())
+    last = [k for k in cited if {facts[k - 1].src_cui, facts[k - 1].dst_cui} & answers]
+    if len(target) <= TARGET_CHARS or not last or len(last) == len(cited):
+        return target
+    return (f"Fact{'s' if len(cited) > 1 else ''} {numbers}; fact {last[0]} states that {facts[last[0] - 1].text}. "
+            f"{name_the_option(item)}")
+
+
 def reader_examples(graph: KnowledgeGraph, items: Sequence[QaItem], config: ReaderConfig,
                     held_out: frozenset[Pair]) -> tuple[list[ReaderExample], Counter[str]]:
     """RAFT examples from train questions with options (see the module doc), and counts of what was kept,
@@ -125,11 +170,7 @@ def reader_examples(graph: KnowledgeGraph, items: Sequence[QaItem], config: Read
             target, shown_gold = NOT_FOUND, False
         elif has_gold:
             cited = [k for k, gold in enumerate(is_gold, start=1) if gold]
-            numbers = " and ".join(str(k) for k in cited)
-            quotes = "; and that ".join(kept[k - 1].text for k in cited)
-            target = (f"Fact{'s' if len(cited) > 1 else ''} {numbers} state{'' if len(cited) > 1 else 's'} that "
-                      f"{quotes}. {name_the_option(item)}")
-            shown_gold = True
+            target, shown_gold = _citing_target(item, kept, cited), True
         else:  # a "no" question: the fact it asks about is absent by design
             target, shown_gold = f"No fact states that. {name_the_option(item)}", True
         stats["gold_shown" if shown_gold else "gold_withheld"] += 1
@@ -161,3 +202,36 @@ def train_reader_adapter(model_dir: str | Path, examples: Sequence[ReaderExample
     history, metrics = fit_replies(reader, encoded, fit, log_fn, desc="reader adapter")
     metrics |= {"examples": float(len(examples)), "examples_gold_shown": float(sum(e.gold_shown for e in examples))}
     return SftResult(reader, metrics, history)
+
+
+# --------------------------------------------------------------------------- validation (the champion gate)
+
+# What the gate reads: the reader with the gold facts among distractors (its ceiling) and with no evidence at all.
+READING_CHECKS = {"oracle": "oracle-evidence", "no_evidence": "cot"}
+
+
+def reading_accuracy(llm: ChatModel, tools: KnowledgeTools, items: Sequence[QaItem],
+                     reader: ChatModel | None = None, batch_size: int = 8) -> dict[str, float]:
+    """Accuracy, parse failures and the share asked again of the answering model (`reader`, else `llm`) on
+    `items`, with the gold facts shown among distractors (`oracle_*`) and with no evidence (`no_evidence_*`)."""
+    metrics = {}
+    for check, method in READING_CHECKS.items():
+        results = run_method(method, items, tools, llm, batch_size=batch_size, reader=reader)
+        n = max(len(results), 1)
+        metrics |= {f"{check}_accuracy": sum(r.correct for r in results) / n,
+                    f"{check}_parse_failures": sum(r.parse_failed for r in results) / n,
+                    f"{check}_asked_again": sum(r.extra_answer_call for r in results) / n}
+    return metrics
+
+
+def gate_metrics(base: dict[str, float], adapted: dict[str, float]) -> dict[str, float]:
+    """The `valid_*` metrics the reader gate reads (READER_ADAPTER_MODEL.gate) and the base reader's beside them."""
+    return {**{f"valid_{k}": v for k, v in adapted.items()}, **{f"valid_base_{k}": v for k, v in base.items()},
+            "valid_no_evidence_gain": adapted["no_evidence_accuracy"] - base["no_evidence_accuracy"]}
+
+
+def base_reader_baseline(base: dict[str, float], name: str) -> Baseline:
+    """With no champion, the adapter must read better than the base reader (and not answer better without
+    evidence: the gate's bound on `valid_no_evidence_gain`, which is 0 for the base reader)."""
+    return Baseline(f"base reader {name}", {"valid_oracle_accuracy": base["oracle_accuracy"],
+                                            "valid_no_evidence_gain": 0.0})
