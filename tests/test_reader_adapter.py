@@ -129,3 +129,23 @@ def test_the_adapter_learns_the_targets_and_leaves_the_base_weights_alone(graph:
     name, weight = next((n, p) for n, p in base.named_parameters() if n.endswith("q_proj.weight"))
     adapted_base = next(p for n, p in trained.items() if n.endswith(name.replace("q_proj.weight", "q_proj.base_layer.weight")))
     assert torch.equal(weight, adapted_base)
+
+
+def test_a_long_two_hop_citation_quotes_only_the_fact_that_names_the_answer():
+    from medgraph.rl.reader import TARGET_CHARS, _citing_target
+
+    long_name = "Congenitally corrected transposition of the great arteries with ventricular septal defect"
+    facts = [Triple("e1", "C1", long_name, "has_manifestation", "C2", "Abnormal atrioventricular valve morphology"),
+             Triple("e2", "C9", "Ebstein anomaly of the tricuspid valve", "has_manifestation", "C2",
+                    "Abnormal atrioventricular valve morphology"),
+             Triple("e3", "C1", long_name, "isa", "C3", "Congenital malformation of the great arteries")]
+    item = QaItem("kgqa_mc", "q", "Which disease shares a manifestation with ...?",
+                  {"A": "x", "B": "Ebstein anomaly of the tricuspid valve", "C": "y", "D": "z"}, "B",
+                  extra={"answer_cuis": ["C9"]})
+    target = _citing_target(item, facts, [1, 2])
+    full = f"Facts 1 and 2 state that {facts[0].text}; and that {facts[1].text}."
+    assert len(full) > TARGET_CHARS and len(target) < len(full)
+    assert target.startswith("Facts 1 and 2; fact 2 states that Ebstein anomaly")
+    assert target.endswith("option B. <answer>B</answer>")
+    short = [Triple("e1", "C1", "X", "r", "C2", "Y"), Triple("e2", "C9", "Z", "r", "C2", "Y")]
+    assert _citing_target(item, short, [1, 2]).startswith("Facts 1 and 2 state that X r Y; and that Z r Y.")
