@@ -438,6 +438,12 @@ def _checked_answer(args: argparse.Namespace, question: str, options: dict[str, 
         config = make_config(args.method, _parse_overrides(args.set, METHODS[method].config_type))
     except (ValueError, TypeError) as error:  # a field's own validation (e.g. Graph-R1's action names)
         raise UsageError(str(error)) from None
+    if args.reader == "adapted":
+        from medgraph.eval.readers import base_reader_only
+
+        why = base_reader_only(args.method)
+        if why:
+            raise UsageError(f"--reader adapted does not apply to {args.method}: {why}")
     item = QaItem(dataset="ask", qid="ask", question=question, options=options, answer="")
     return _answer(args, item, config, deadline, stage)
 
@@ -469,6 +475,7 @@ def _answer(args: argparse.Namespace, item: Any, config: object, deadline: float
     if llm is None:
         stage[0] = f"loading the LLM ({redact_uri(args.llm or settings.llm)})"
         llm = load_llm(args.llm or settings.llm, home=settings.home)
+    reader = _adapted_reader(settings, stage) if args.reader == "adapted" else None
     if isinstance(llm, OpenAIChatModel) and deadline is not None:
         # Each request waits at most until the call's deadline (not 5 x 120 s of read timeouts and retries).
         llm.deadline = deadline
@@ -483,9 +490,12 @@ def _answer(args: argparse.Namespace, item: Any, config: object, deadline: float
         stage[0] = f"answering with {args.method} (LLM {redact_uri(args.llm or settings.llm)})"
         with Retriever(warehouse, encoder) as retriever:
             model = _ClosesWarehouseWhileGenerating(llm, retriever)
-            (result,) = run_method(args.method, [item], retriever, model, config, graph_tokenizer=graph_tokenizer)
+            (result,) = run_method(args.method, [item], retriever, model, config, graph_tokenizer=graph_tokenizer,
+                                   reader=reader)
     finally:
         llm.close()
+        if reader is not None:
+            reader.close()
     if no_tokenizer and result.stats.get("hiim") == "text-only":
         result.stats["hiim_reason"] = no_tokenizer  # A2RAG says only that it had none; this says why
     if args.json:
@@ -500,6 +510,22 @@ def _answer(args: argparse.Namespace, item: Any, config: object, deadline: float
     text = item.options.get(result.prediction)
     print(f"answer: {result.prediction}" + (f". {text}" if text else ""))
     return 0
+
+
+def _adapted_reader(settings: Settings, stage: list[str]) -> ChatModel:
+    """The champion reader adapter (`--reader adapted`); none registered is an error that says what to build."""
+    from medgraph.eval.readers import load_adapted_reader
+    from medgraph.settings import redact_uri
+    from medgraph.tracking import Tracking, limit_registry_waits
+
+    limit_registry_waits()
+    stage[0] = f"reading the model registry ({redact_uri(settings.mlflow_tracking_uri)}) for the reader adapter"
+    reader, source = load_adapted_reader(Tracking.from_settings(settings))
+    if reader is None:
+        print(f"medgraph ask: --reader adapted: {source}", file=sys.stderr)
+        raise SystemExit(2)
+    print(f"reader: {source}", file=sys.stderr)
+    return reader
 
 
 def _champion_policy(settings: Settings, method: str,
@@ -603,6 +629,10 @@ def _parser() -> argparse.ArgumentParser:
                      help="a2rag, graph-r1, sema-rag, cot, rag, rag-kg, irag, or a named ablation such as a2rag-no-gsrm "
                           "(medgraph.methods.ABLATIONS); default: a2rag")
     ask.add_argument("--llm", default=None, help="LLM spec (default: MEDGRAPH_LLM, smollm2-135m-instruct)")
+    ask.add_argument("--reader", choices=("base", "adapted"), default="base",
+                     help="who answers the answering call: the LLM (base) or the registered reader adapter "
+                          "(adapted: medgraph-reader-adapter@champion, models/reader_adapter); the other calls stay "
+                          "with the LLM")
     ask.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                      help="a method configuration field, e.g. --set tau=0.6 --set max_steps=3 (repeat)")
     ask.add_argument("--trace", action="store_true", help="print the step-by-step trace")

@@ -82,3 +82,18 @@ def test_status_reports_an_unreadable_table_and_lists_every_other(medgraph_home:
     assert "unreadable" in line and "No magic bytes found" in line and broken in line
     assert "MLflow" in captured.out  # it went on to the end
     assert "1 table is unreadable" in captured.err and "materialize" in captured.err
+
+
+def test_ask_with_the_adapted_reader_needs_a_registered_one_and_a_method_it_can_answer(
+        mlflow_db: Path, tmp_path: Path, capsys: pytest.CaptureFixture):
+    from medgraph.cli import _adapted_reader
+    from medgraph.settings import load_settings
+
+    settings = load_settings({"MEDGRAPH_HOME": str(tmp_path), "MLFLOW_TRACKING_URI": f"sqlite:///{mlflow_db}"})
+    with pytest.raises(SystemExit) as exited:
+        _adapted_reader(settings, ["starting"])
+    assert exited.value.code == 2
+    assert "no medgraph-reader-adapter@champion (materialize models/reader_adapter)" in capsys.readouterr().err
+    # Graph-R1's policy answers itself: the adapted reader is refused before anything loads.
+    assert main(["ask", "Which drug treats hypertension?", "--method", "graph-r1", "--reader", "adapted"]) == 2
+    assert "--reader adapted does not apply to graph-r1" in capsys.readouterr().err
