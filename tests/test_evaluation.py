@@ -34,15 +34,19 @@ def eval_home(retrieval_warehouse: Warehouse, tmp_path: Path) -> Path:
     return tmp_path / "home"
 
 
-def test_a_dataset_partition_is_evaluated_into_tables_metadata_and_mlflow(eval_home: Path, smollm2, encoder,
-                                                                          mlflow_db: Path):
+@pytest.fixture
+def resources(eval_home: Path, smollm2, encoder, mlflow_db: Path) -> dict[str, dg.ConfigurableResource]:
+    """The real resources over the test home, with the session's SmolLM2 and encoder already loaded."""
     llm = LlmResource(spec="smollm2-135m-instruct", home=str(eval_home))
     llm._llm = smollm2
     encoder_resource = EncoderResource(max_length=128)
     encoder_resource._encoder = encoder
-    resources = {"warehouse": WarehouseResource(home=str(eval_home)), "llm": llm, "encoder": encoder_resource,
-                 "mlflow_tracking": MlflowResource(tracking_uri=f"sqlite:///{mlflow_db}",
-                                                   artifact_root=str(eval_home / "artifacts"))}
+    return {"warehouse": WarehouseResource(home=str(eval_home)), "llm": llm, "encoder": encoder_resource,
+            "mlflow_tracking": MlflowResource(tracking_uri=f"sqlite:///{mlflow_db}",
+                                              artifact_root=str(eval_home / "artifacts"))}
+
+
+def test_a_dataset_partition_is_evaluated_into_tables_metadata_and_mlflow(eval_home: Path, resources: dict):
     baselines = next(a for a in eval_assets if a.key.path[-1] == "eval_baselines")
     result = dg.materialize([qa_benchmark, baselines], resources=resources, partition_key="kgqa_mc",
                             run_config=dg.RunConfig(ops={
@@ -79,18 +83,11 @@ def test_a_dataset_partition_is_evaluated_into_tables_metadata_and_mlflow(eval_h
     assert "medgraph-gat@champion | none registered" in markdown
 
 
-def test_the_reader_adapter_is_trained_gated_and_answers_the_adapted_rows(eval_home: Path, smollm2, encoder,
-                                                                          mlflow_db: Path, one_torch_thread):
+def test_the_reader_adapter_is_trained_gated_and_answers_the_adapted_rows(eval_home: Path, resources: dict,
+                                                                          one_torch_thread):
     from medgraph.tracking import READER_ADAPTER_MODEL
     from platform_assets.models import reader_adapter
 
-    llm = LlmResource(spec="smollm2-135m-instruct", home=str(eval_home))
-    llm._llm = smollm2
-    encoder_resource = EncoderResource(max_length=128)
-    encoder_resource._encoder = encoder
-    resources = {"warehouse": WarehouseResource(home=str(eval_home)), "llm": llm, "encoder": encoder_resource,
-                 "mlflow_tracking": MlflowResource(tracking_uri=f"sqlite:///{mlflow_db}",
-                                                   artifact_root=str(eval_home / "artifacts"))}
     trained = dg.materialize([reader_adapter], resources=resources, run_config=dg.RunConfig(
         ops={"models__reader_adapter": {"config": {"profile": "tiny"}}}))
     (materialization,) = trained.asset_materializations_for_node("models__reader_adapter")
