@@ -34,9 +34,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from medgraph.eval.questions import QaItem
 from medgraph.kg.graph import Node, Triple
 from medgraph.methods.graph_r1 import GraphR1Config, GraphR1Env
+from medgraph.qa.item import QaItem
 from medgraph.rl.grpo import GrpoConfig, train_grpo
 
 GIB = 2**30

@@ -35,13 +35,14 @@ def main() -> None:
     torch.set_num_threads(args.threads)
 
     from medgraph.embed.encoder import load_encoder
-    from medgraph.eval.questions import load_mirage
     from medgraph.llm import load_llm
     from medgraph.methods.graph_r1 import GraphR1Env
     from medgraph.methods.registry import run_method
     from medgraph.methods.tools import KnowledgeTools
+    from medgraph.qa.mirage import load_mirage
+    from medgraph.qa.table import load_qa_items
     from medgraph.retrieval import Retriever
-    from medgraph.rl.sft import SftConfig, expert_demonstrations, load_qa_items, train_sft
+    from medgraph.rl.sft import SftConfig, expert_demonstrations, train_sft
     from medgraph.settings import load_settings
     from medgraph.storage import open_warehouse
 

@@ -44,16 +44,16 @@ def main() -> None:
     import mlflow
 
     from medgraph.embed.encoder import load_encoder
-    from medgraph.eval.stats import paired_difference
     from medgraph.llm.hf import autocast
     from medgraph.methods.graph_r1 import GraphR1Env
+    from medgraph.qa.table import load_qa_items
     from medgraph.retrieval import Retriever
     from medgraph.rl.grpo import GrpoConfig, train_grpo, training_curves_figure
     from medgraph.rl.model import load_trainable
     from medgraph.rl.policy import download_checkpoint
     from medgraph.rl.rollout import greedy_episodes
-    from medgraph.rl.sft import load_qa_items
     from medgraph.settings import load_settings
+    from medgraph.stats import paired_difference
     from medgraph.storage import open_warehouse
     from medgraph.tracking import GRAPH_R1_SFT_MODEL, Tracking
 

@@ -21,10 +21,10 @@ import torch
 
 from medgraph.embed.encoder import load_encoder
 from medgraph.eval.gsrm import gsrm_recall_curves, link_entities, measurable_items, question_type
-from medgraph.eval.questions import load_mirage
-from medgraph.eval.stats import BOOTSTRAP_RESAMPLES, BOOTSTRAP_SEED, paired_difference
 from medgraph.methods.tools import KnowledgeTools
+from medgraph.qa.mirage import load_mirage
 from medgraph.retrieval import Retriever
+from medgraph.stats import BOOTSTRAP_RESAMPLES, BOOTSTRAP_SEED, paired_difference
 from medgraph.storage import warehouse_at
 
 

@@ -24,10 +24,10 @@ from pathlib import Path
 import torch
 
 from medgraph.embed.encoder import load_encoder
-from medgraph.eval.questions import load_mirage
 from medgraph.llm import load_llm
 from medgraph.methods.registry import make_config, run_method
 from medgraph.methods.tools import KnowledgeTools
+from medgraph.qa.mirage import load_mirage
 from medgraph.retrieval import Retriever
 from medgraph.storage import Lake, Warehouse
 

@@ -11,8 +11,8 @@ import resource
 import tempfile
 import time
 
-from medgraph.kg.qa import generate_qa_items
 from medgraph.kg.shortcuts import check_shortcuts, measure_shortcuts
+from medgraph.qa.generate import generate_qa_items
 from medgraph.settings import load_settings
 from medgraph.storage import open_warehouse
 

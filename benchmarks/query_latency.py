@@ -29,8 +29,8 @@ from pathlib import Path
 from medgraph.embed.encoder import load_encoder
 from medgraph.methods.a2rag import A2RagConfig, gsrm_items
 from medgraph.methods.tools import KnowledgeTools
+from medgraph.qa.table import load_qa_items
 from medgraph.retrieval import Retriever
-from medgraph.rl.sft import load_qa_items
 from medgraph.settings import load_settings
 from medgraph.storage import open_warehouse
 

@@ -43,14 +43,14 @@ def main() -> None:
     torch.set_num_threads(args.threads)
 
     from medgraph.embed.encoder import load_encoder
-    from medgraph.eval.stats import paired_difference
     from medgraph.llm import load_llm
     from medgraph.llm.models import builtin_model_dir
     from medgraph.methods.registry import make_config, run_method
     from medgraph.methods.tools import KnowledgeTools
+    from medgraph.qa.table import load_qa_items
     from medgraph.retrieval import Retriever
     from medgraph.rl.reader import ReaderConfig, held_out_pairs, reader_examples, train_reader_adapter
-    from medgraph.rl.sft import load_qa_items
+    from medgraph.stats import paired_difference
     from medgraph.storage import Lake, Warehouse
 
     warehouse = Warehouse(args.home / "warehouse.duckdb", Lake(args.home / "lake"))

@@ -426,9 +426,9 @@ def _cmd_ask(args: argparse.Namespace) -> int:
 
 def _checked_answer(args: argparse.Namespace, question: str, options: dict[str, str], deadline: float | None,
                     stage: list[str]) -> int:
-    from medgraph.eval.questions import QaItem
     from medgraph.methods import make_config
     from medgraph.methods.registry import ABLATIONS, METHODS
+    from medgraph.qa.item import QaItem
 
     method = ABLATIONS.get(args.method, (args.method, {}))[0]
     if method not in METHODS:

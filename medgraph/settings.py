@@ -140,7 +140,7 @@ class Settings:
     encoder: str
     llm: str
     mlflow_tracking_uri: str
-    benchmark: str = "kg"  # evaluation benchmark spec (medgraph.eval.benchmarks)
+    benchmark: str = "kg"  # evaluation benchmark spec (medgraph.qa.benchmarks)
     lake: str = ""  # MEDGRAPH_LAKE: a local directory or s3://bucket/prefix; "" = $MEDGRAPH_HOME/lake
     s3_endpoint_url: str | None = None  # an S3-compatible server (MinIO, moto); None = AWS (or AWS_ENDPOINT_URL_S3)
     aws_secret_id: str | None = None  # a Secrets Manager secret holding the AWS keys; None = the AWS chain

@@ -13,7 +13,6 @@ from pathlib import Path
 import dagster as dg
 import mlflow
 
-from medgraph.eval.benchmarks import load_benchmark, partition_names
 from medgraph.eval.evaluate import markdown_table, summarize, write_run
 from medgraph.eval.gsrm import read_gsrm_params, with_tuned_gsrm
 from medgraph.eval.monitoring import (
@@ -24,10 +23,11 @@ from medgraph.eval.monitoring import (
     latency_p95_alarm,
     step_budget_alarm,
 )
-from medgraph.eval.questions import load_mirage, write_mirage
 from medgraph.eval.readers import READERS, base_reader_only, load_adapted_reader, reader_label
 from medgraph.methods.registry import make_config, run_method
 from medgraph.methods.tools import KnowledgeTools
+from medgraph.qa.benchmarks import load_benchmark, partition_names
+from medgraph.qa.mirage import load_mirage, write_mirage
 from medgraph.retrieval import Retriever
 from medgraph.settings import load_settings, redact_uri
 from medgraph.tracking import GRAPH_R1_POLICY_MODEL, MODELS, Tracking, metric_name

@@ -23,9 +23,10 @@ from medgraph.eval.gsrm import (
     sweep_markdown,
     write_gsrm_params,
 )
-from medgraph.eval.questions import QaItem, load_mirage
 from medgraph.methods.a2rag import A2RagConfig
 from medgraph.methods.tools import KnowledgeTools
+from medgraph.qa.item import QaItem
+from medgraph.qa.mirage import load_mirage
 from medgraph.retrieval import Retriever
 from platform_assets.automation import on_data_version_change
 from resources import EncoderResource, MlflowResource, WarehouseResource

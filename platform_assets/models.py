@@ -16,19 +16,20 @@ import dagster as dg
 import mlflow
 
 from medgraph.eval.gsrm import tuned_a2rag_config
-from medgraph.gnn.graph_tokens import (
-    NodeFeatures,
+from medgraph.gnn.graph_tokens import NodeFeatures
+from medgraph.gnn.train import FEATURE_TABLE, GatConfig, pick_device, train_gat
+from medgraph.gnn.training_log import history_markdown, log_gat_result, result_metadata, untrained_baseline
+from medgraph.llm.hf import TransformersChatModel
+from medgraph.methods.tools import KnowledgeTools
+from medgraph.qa.table import load_qa_items
+from medgraph.retrieval import Retriever
+from medgraph.rl.hiim import (
     ProjectorConfig,
     log_projector_result,
     projector_examples,
     text_only_baseline,
     train_projector,
 )
-from medgraph.gnn.train import FEATURE_TABLE, GatConfig, pick_device, train_gat
-from medgraph.gnn.training_log import history_markdown, log_gat_result, result_metadata, untrained_baseline
-from medgraph.llm.hf import TransformersChatModel
-from medgraph.methods.tools import KnowledgeTools
-from medgraph.retrieval import Retriever
 from medgraph.rl.model import save_policy
 from medgraph.rl.policy import log_policy
 from medgraph.rl.reader import (
@@ -40,7 +41,6 @@ from medgraph.rl.reader import (
     reading_accuracy,
     train_reader_adapter,
 )
-from medgraph.rl.sft import load_qa_items
 from medgraph.settings import load_settings, redact_uri
 from medgraph.tracking import GAT_MODEL, HIIM_PROJECTOR_MODEL, READER_ADAPTER_MODEL, checkpoint_dir
 from platform_assets.automation import gpu_model_asset

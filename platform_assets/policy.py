@@ -19,9 +19,10 @@ from pathlib import Path
 import dagster as dg
 import mlflow
 
-from medgraph.eval.questions import QaItem
 from medgraph.llm.hf import TransformersChatModel
 from medgraph.methods.graph_r1 import GraphR1Env
+from medgraph.qa.item import QaItem
+from medgraph.qa.table import load_qa_items
 from medgraph.retrieval import Retriever
 from medgraph.rl.grpo import GrpoConfig, train_grpo
 from medgraph.rl.model import save_policy
@@ -36,7 +37,7 @@ from medgraph.rl.policy import (
     validate,
 )
 from medgraph.rl.rollout import validation_key
-from medgraph.rl.sft import SftConfig, expert_demonstrations, load_qa_items, train_sft
+from medgraph.rl.sft import SftConfig, expert_demonstrations, train_sft
 from medgraph.settings import load_settings
 from medgraph.storage import Warehouse
 from medgraph.tracking import GRAPH_R1_POLICY_MODEL, GRAPH_R1_SFT_MODEL, Tracking, checkpoint_dir

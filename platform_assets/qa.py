@@ -4,8 +4,15 @@ from pathlib import Path
 
 import dagster as dg
 
-from medgraph.kg.qa import generate_qa_items, gold_pairs_in_two_splits
-from medgraph.kg.shortcuts import MARGIN, check_shortcuts, measure_shortcuts, read_shortcuts, shortcuts_markdown
+from medgraph.kg.shortcuts import (
+    MARGIN,
+    check_shortcuts,
+    measure_shortcuts,
+    read_shortcuts,
+    shortcuts_markdown,
+)
+from medgraph.qa.generate import generate_qa_items
+from medgraph.qa.table import gold_pairs_in_two_splits
 from platform_assets.automation import on_data_version_change
 from resources import WarehouseResource
 

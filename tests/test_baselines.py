@@ -11,11 +11,11 @@ import re
 
 import pytest
 
-from medgraph.eval.questions import QaItem
 from medgraph.llm.base import Conversation
 from medgraph.llm.scripted import ScriptedChatModel
 from medgraph.methods import KnowledgeTools, make_config, run_method
 from medgraph.methods.baselines import format_query_answers, parse_queries
+from medgraph.qa.item import QaItem
 
 AMLODIPINE, HYPERTENSION = "C9001289", "C0020538"
 OPTIONS = {"A": "amlodipine", "B": "salbutamol", "C": "insulin", "D": "aspirin"}

@@ -9,16 +9,13 @@ from pathlib import Path
 
 import pytest
 
-from medgraph.eval.benchmarks import (
-    BenchmarkFormatError,
-    load_benchmark,
-    parse_benchmark_spec,
-)
 from medgraph.eval.evaluate import markdown_table, result_rows, summarize
-from medgraph.eval.questions import QaItem, load_mirage, write_mirage
 from medgraph.llm.scripted import ScriptedChatModel
 from medgraph.methods import KnowledgeTools, run_method
-from medgraph.methods.common import format_question, gold_doc_ids
+from medgraph.methods.common import format_question
+from medgraph.qa.benchmarks import BenchmarkFormatError, load_benchmark, parse_benchmark_spec
+from medgraph.qa.item import QaItem, gold_doc_ids
+from medgraph.qa.mirage import load_mirage, write_mirage
 from medgraph.retrieval import Retriever
 from medgraph.storage import Warehouse
 from medgraph.text.corpus import packaged_corpus

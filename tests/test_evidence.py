@@ -20,7 +20,6 @@ import torch
 from conftest import copy_warehouse
 
 from medgraph.eval.evaluate import markdown_table, result_rows, summarize, write_partition
-from medgraph.eval.questions import QaItem
 from medgraph.kg.graph import Triple
 from medgraph.llm.base import Conversation
 from medgraph.llm.scripted import ScriptedChatModel
@@ -28,6 +27,7 @@ from medgraph.methods import KnowledgeTools, make_config, run_method
 from medgraph.methods.agent import CUT_OFF_NOTE, UNREADABLE_NOTE
 from medgraph.methods.common import EvidenceSeen, MethodResult, finish_result
 from medgraph.methods.registry import record_evidence_recall
+from medgraph.qa.item import QaItem
 from medgraph.retrieval import Retriever
 from medgraph.storage import Warehouse
 from medgraph.text.mentions import link_chunk_mentions

@@ -13,11 +13,11 @@ import pytest
 from conftest import copy_warehouse
 
 from medgraph.eval.evaluate import method_statistics
-from medgraph.eval.questions import QaItem
 from medgraph.llm.base import Conversation
 from medgraph.llm.scripted import ScriptedChatModel
 from medgraph.methods import KnowledgeTools, make_config, run_method
 from medgraph.methods.graph_r1 import GraphR1Config, GraphR1Env
+from medgraph.qa.item import QaItem
 from medgraph.retrieval import Retriever
 from medgraph.rl.sft import expert_demonstrations
 from medgraph.storage import Warehouse

@@ -18,7 +18,6 @@ import torch
 from conftest import copy_warehouse
 
 from medgraph.eval.evaluate import method_statistics
-from medgraph.eval.questions import QaItem
 from medgraph.kg.graph import Triple
 from medgraph.llm.base import Conversation, GenerationConfig
 from medgraph.llm.scripted import ScriptedChatModel
@@ -34,6 +33,7 @@ from medgraph.methods.a2rag import A2Rag, A2RagConfig, gsrm_refine, parse_tool_c
 from medgraph.methods.common import token_f1
 from medgraph.methods.graph_r1 import GraphR1Config, GraphR1Env, is_well_formed, parse_action, restore_stop
 from medgraph.methods.sema_rag import parse_judgment, parse_schema
+from medgraph.qa.item import QaItem
 from medgraph.retrieval import Retriever
 from medgraph.storage import Warehouse
 

@@ -9,7 +9,7 @@ import pytest
 
 from medgraph.eval.claims import CONTRADICTED, HOLDS, NOT_SEPARABLE, gsrm_claims, seed_claims
 from medgraph.eval.paired import paired_comparisons
-from medgraph.eval.stats import bootstrap_mean_ci, exact_sign_test, paired_difference
+from medgraph.stats import bootstrap_mean_ci, exact_sign_test, paired_difference
 
 
 def test_exact_mcnemar_matches_the_binomial_test():

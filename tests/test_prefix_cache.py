@@ -16,10 +16,10 @@ import torch
 from test_methods import E2E_CONFIGS
 
 from medgraph.eval.evaluate import summarize
-from medgraph.eval.questions import QaItem
 from medgraph.llm import GenerationConfig, assistant, system, user
 from medgraph.llm.hf import SHARED_PREFIX_MIN, PrefixCache, TransformersChatModel, _Row
 from medgraph.methods import METHODS, KnowledgeTools, make_config, run_method, trace_rows
+from medgraph.qa.item import QaItem
 from medgraph.retrieval import Retriever
 from medgraph.storage import Warehouse
 

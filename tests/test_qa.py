@@ -13,18 +13,6 @@ from pathlib import Path
 import pytest
 from conftest import SHARED_DATA, copy_warehouse
 
-from medgraph.eval.questions import load_mirage
-from medgraph.kg.qa import (
-    QUESTION_TYPES,
-    SPLIT_NAMES,
-    QaLimits,
-    QaStats,
-    concept_pair,
-    fact_components,
-    fact_splits,
-    generate_qa_items,
-    split_of,
-)
 from medgraph.kg.relation_phrases import relation_phrases
 from medgraph.kg.shortcuts import (
     ORACLE,
@@ -35,6 +23,11 @@ from medgraph.kg.shortcuts import (
     read_shortcuts,
     shortcut_rows,
 )
+from medgraph.qa.drafting import QUESTION_TYPES
+from medgraph.qa.generate import QaStats, generate_qa_items
+from medgraph.qa.kg_view import QaLimits
+from medgraph.qa.mirage import load_mirage
+from medgraph.qa.splits import SPLIT_NAMES, concept_pair, fact_components, fact_splits, split_of
 from medgraph.storage import Lake, Warehouse
 
 PER_TYPE = 150

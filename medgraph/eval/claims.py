@@ -17,8 +17,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from medgraph.eval.paired import Comparison
-from medgraph.eval.stats import BOOTSTRAP_RESAMPLES, BOOTSTRAP_SEED, paired_difference
+from medgraph.eval.paired import Comparison, compare, outcomes_by_method
+from medgraph.stats import BOOTSTRAP_RESAMPLES, BOOTSTRAP_SEED, paired_difference
 
 HOLDS, CONTRADICTED, NOT_SEPARABLE = "holds", "contradicted", "not separable at this n"
 FLAT_MARGIN = 0.02  # "flat": the whole CI of the change within +-2 points
@@ -159,8 +159,6 @@ def _analyze_claim(comparisons: Sequence[Comparison], results: Sequence[Mapping[
                      "other action ablations not run", _ci(c.ci_low, c.ci_high), c.n,
                      f"{_direction(c.ci_low, c.ci_high, -1)} (drop only; ranking needs the other ablations)")
     # Paired directly: without analyze vs without each other action, on the same questions.
-    from medgraph.eval.paired import compare, outcomes_by_method
-
     by_method = outcomes_by_method(results)
     versus = [compare(by_method, "graph-r1-no-analyze", other, c.dataset, "correct", "claim") for other in others]
     versus = [v for v in versus if v is not None]

@@ -30,11 +30,11 @@ from pathlib import Path
 
 import numpy as np
 
-from medgraph.eval.questions import QaItem
 from medgraph.files import write_atomically
 from medgraph.methods.a2rag import A2RagConfig, gsrm_refine
-from medgraph.methods.common import gold_pairs
+from medgraph.methods.registry import make_config, method_of
 from medgraph.methods.tools import KnowledgeTools
+from medgraph.qa.item import QaItem, gold_pairs
 from medgraph.storage import Warehouse
 
 log = logging.getLogger(__name__)
@@ -417,8 +417,6 @@ def with_tuned_gsrm(params: Mapping[str, object] | None, methods: Sequence[str],
     ablation in `methods`, explicit `overrides` winning field by field; the lineage says what the first of them
     runs with and where it came from (`gsrm_params_source`: "models/gsrm_params", "method_config", both, or
     the defaults)."""
-    from medgraph.methods.registry import make_config, method_of
-
     merged = {name: dict(values) for name, values in overrides.items()}
     a2rag = [m for m in methods if method_of(m) == "a2rag"]
     tuned: dict[str, object] = {key: params[key] for key in GSRM_FIELDS if params and key in params}

@@ -3,7 +3,7 @@
 Reads the per-question tables `eval.<asset>_results` of all evaluation
 assets, pairs two methods' outcomes by (dataset, qid), and gives for each
 metric the mean difference with its paired-bootstrap 95% CI and the exact
-McNemar / sign-test p-value (`medgraph.eval.stats`). The rows become the table
+McNemar / sign-test p-value (`medgraph.stats`). The rows become the table
 `eval.paired_comparisons`, MLflow metrics and the report's forest plot.
 """
 
@@ -13,8 +13,9 @@ import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 
+from medgraph.eval.evaluate import read_eval_views
 from medgraph.eval.readers import reader_label, split_reader
-from medgraph.eval.stats import BOOTSTRAP_RESAMPLES, BOOTSTRAP_SEED, paired_difference
+from medgraph.stats import BOOTSTRAP_RESAMPLES, BOOTSTRAP_SEED, paired_difference
 from medgraph.storage import Warehouse
 
 RESULTS_SUFFIX = "_results"
@@ -52,8 +53,6 @@ class Comparison:
 
 def read_results(warehouse: Warehouse) -> list[dict[str, object]]:
     """Every row of every `eval.*_results` view, with the asset it came from."""
-    from medgraph.eval.evaluate import read_eval_views
-
     return read_eval_views(warehouse, RESULTS_SUFFIX)
 
 

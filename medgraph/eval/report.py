@@ -17,11 +17,14 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from medgraph.eval.claims import Claim
-from medgraph.eval.paired import Comparison
+from medgraph.eval.claims import Claim, seed_claims
+from medgraph.eval.evaluate import read_eval_views, write_partition
+from medgraph.eval.paired import Comparison, paired_comparisons, read_results
 from medgraph.eval.readers import reader_label, split_reader
-from medgraph.eval.stats import SEPARABLE_CI_WIDTH
 from medgraph.files import write_atomically
+from medgraph.kg.shortcuts import MARGIN, ORACLE, SHORTCUTS, read_shortcuts
+from medgraph.methods.registry import ABLATIONS
+from medgraph.stats import SEPARABLE_CI_WIDTH
 from medgraph.storage import Warehouse
 
 SUMMARY_SUFFIX = "_summary"
@@ -57,8 +60,6 @@ def read_table(warehouse: Warehouse, table: str) -> list[dict[str, object]]:
 
 
 def read_summaries(warehouse: Warehouse) -> list[dict[str, object]]:
-    from medgraph.eval.evaluate import read_eval_views
-
     rows = read_eval_views(warehouse, SUMMARY_SUFFIX)
     for row in rows:
         row["extra"] = json.loads(row.get("extra") or "{}")
@@ -258,8 +259,6 @@ def _ablation_rows(summaries: Sequence[Mapping[str, object]],
                    comparisons: Sequence[Comparison]) -> list[tuple[object, ...]]:
     """Each ablation next to its full method on the same dataset: the paired accuracy difference with its
     95% CI and McNemar p on the questions both answered ("not run" when the full method was not)."""
-    from medgraph.methods.registry import ABLATIONS
-
     paired = {(c.method, c.dataset): c for c in comparisons if c.kind == "ablation" and c.metric == "correct"}
     rows = []
     for s in summaries:
@@ -329,8 +328,6 @@ def build_report(data: ReportData, out_dir: Path) -> dict[str, Path]:
     sections.append(("Can this run separate the methods?", note, f"<p>{_html_paragraphs(note)}</p>", None))
 
     if data.shortcuts:
-        from medgraph.kg.shortcuts import MARGIN, ORACLE, SHORTCUTS
-
         header = ["dataset", "split", "n", *SHORTCUTS, f"{ORACLE} (ceiling)"]
         table_rows = []
         for (dataset, split), group in _grouped(data.shortcuts, ("dataset", "split")):
@@ -516,11 +513,6 @@ def assemble(warehouse: Warehouse, lineage: Mapping[str, str],
              reference: str = "rag", gsrm_params: Mapping[str, object] | None = None) -> ReportData:
     """Everything the report shows, from the eval tables: summaries, paired comparisons (also written to
     `eval.paired_comparisons`), GSRM recall and the seed-claims table."""
-    from medgraph.eval.claims import seed_claims
-    from medgraph.eval.evaluate import write_partition
-    from medgraph.eval.paired import paired_comparisons, read_results
-    from medgraph.methods.registry import ABLATIONS
-
     summaries = read_summaries(warehouse)
     results = read_results(warehouse)
     comparisons = paired_comparisons(results, reference, {name: spec[0] for name, spec in ABLATIONS.items()})
@@ -528,8 +520,6 @@ def assemble(warehouse: Warehouse, lineage: Mapping[str, str],
         write_partition(warehouse, "paired_comparisons", "all", [c.as_row() for c in comparisons])
     claims = seed_claims(summaries, results, comparisons, read_table(warehouse, "gsrm_recall_items"),
                          lineage.get("graph-r1 policy"))
-    from medgraph.kg.shortcuts import read_shortcuts
-
     return ReportData(summaries, dict(lineage), {k: list(v) for k, v in (reward_curves or {}).items()},
                       comparisons, read_table(warehouse, "gsrm_recall"), claims, reference,
                       read_shortcuts(warehouse), reading_check(results), dict(gsrm_params or {}))

@@ -25,7 +25,6 @@ from collections.abc import Generator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
-from medgraph.eval.questions import QaItem
 from medgraph.kg.graph import Triple
 from medgraph.llm.base import ChatModel, GenerationConfig, Message, assistant, system, user
 from medgraph.methods.agent import Episode, Generate, Request, ToolCall, ToolOutput, answer_call
@@ -38,10 +37,10 @@ from medgraph.methods.common import (
     format_passages,
     format_question,
     format_triples,
-    gold_edge_ids,
     step_from_completion,
 )
 from medgraph.methods.tools import KnowledgeTools, Passage
+from medgraph.qa.item import QaItem, gold_edge_ids
 
 if TYPE_CHECKING:
     from torch import Tensor

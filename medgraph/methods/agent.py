@@ -29,7 +29,6 @@ from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from medgraph.eval.questions import QaItem
 from medgraph.llm.base import ChatModel, Completion, Conversation, GenerationConfig, assistant, user
 from medgraph.methods.common import (
     FinalReply,
@@ -39,6 +38,7 @@ from medgraph.methods.common import (
     parse_answer,
     step_from_completion,
 )
+from medgraph.qa.item import QaItem
 
 if TYPE_CHECKING:
     from torch import Tensor

@@ -38,14 +38,11 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from medgraph.eval.questions import QaItem
 from medgraph.kg.graph import KnowledgeGraph, Triple
 from medgraph.llm.base import ChatModel, Completion, Conversation, GenerationConfig, system, user
 from medgraph.methods.agent import Episode, Generate, ToolCall, answer_call
 from medgraph.methods.common import (
     EvidenceSeen,
-    gold_edge_ids,
-    gold_facts,
     Step,
     answer_instruction,
     finish_result,
@@ -55,6 +52,7 @@ from medgraph.methods.common import (
     step_from_completion,
 )
 from medgraph.methods.tools import KnowledgeTools, Passage
+from medgraph.qa.item import QaItem, gold_edge_ids, gold_facts
 
 EXPERT = "You are a medical expert. Answer the question; use the evidence when it is relevant."
 PASSAGE_CHARS = 600  # characters of a passage a prompt shows (default of `passage_chars`)

@@ -18,9 +18,9 @@ from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 
-from medgraph.eval.questions import QaItem
 from medgraph.kg.graph import Triple
 from medgraph.llm.base import Completion
+from medgraph.qa.item import QaItem
 
 # --------------------------------------------------------------------------- prompts
 
@@ -253,41 +253,6 @@ def score_answer(item: QaItem, prediction: str | None) -> tuple[bool, float]:
     golds = item.gold_answers
     correct = any(_normalize_text(prediction) == _normalize_text(g) for g in golds)
     return correct, max((token_f1(prediction, g) for g in golds), default=0.0)
-
-
-def gold_edge_ids(item: QaItem) -> tuple[str, ...] | None:
-    """Edge ids of the item's gold path when known (KG-derived items carry `gold_path`)."""
-    value = item.extra.get("gold_path") or item.extra.get("gold_edge_ids")
-    return tuple(str(v) for v in value) if value else None
-
-
-def gold_pairs(item: QaItem) -> tuple[frozenset[str], ...] | None:
-    """The unordered concept pairs of the item's gold path (KG-derived items carry `gold_pairs`); None when
-    the item carries none (MIRAGE, PubMedQA, or a "no" question, whose fact is absent by design)."""
-    value = item.extra.get("gold_pairs")
-    pairs = tuple(frozenset(str(c) for c in pair) for pair in value or () if len(pair) == 2)
-    return pairs or None
-
-
-def gold_facts(item: QaItem) -> tuple[frozenset[str], ...] | None:
-    """Each gold edge of the item as the keys "src|relation|dst" that state it (the edge and its inverse
-    listing; KG-derived items carry `gold_facts`); None when the item has none."""
-    value = item.extra.get("gold_facts")
-    facts = tuple(frozenset(str(key) for key in keys) for keys in value or () if keys)
-    return facts or None
-
-
-def answer_cuis(item: QaItem) -> tuple[str, ...] | None:
-    """The concepts of the correct answer (KG-derived items), or None when unknown or empty."""
-    value = item.extra.get("answer_cuis")
-    return tuple(str(c) for c in value) if value else None
-
-
-def gold_doc_ids(item: QaItem) -> tuple[str, ...] | None:
-    """The corpus documents that hold the item's evidence (PubMedQA: its own abstract, `pubmed:<PMID>`),
-    or None when the item names none."""
-    value = item.extra.get("gold_doc_ids")
-    return tuple(str(d) for d in value) if value else None
 
 
 # --------------------------------------------------------------------------- evidence the answering model saw

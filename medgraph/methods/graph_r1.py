@@ -49,11 +49,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from medgraph.eval.questions import QaItem
 from medgraph.kg.graph import Node, Triple
 from medgraph.llm.base import ChatModel, Completion, GenerationConfig, Message, assistant, system, user
 from medgraph.methods.agent import Episode, Generate, ToolCall, complete_final_answer
 from medgraph.methods.common import EvidenceSeen, Step, finish_result, format_question, parse_answer
+from medgraph.qa.item import QaItem
 from medgraph.retrieval import RetrievedChunk, Retriever
 
 ACTIONS = ("search", "traverse", "analyze", "answer")

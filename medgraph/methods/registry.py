@@ -17,7 +17,6 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from medgraph.eval.questions import QaItem
 from medgraph.llm.base import ChatModel
 from medgraph.methods.a2rag import A2Rag, A2RagConfig, GraphTokenEncoder
 from medgraph.methods.agent import Episode, run_lockstep
@@ -37,15 +36,13 @@ from medgraph.methods.common import (
     EvidenceMetrics,
     MethodResult,
     ShownUnit,
-    answer_cuis,
     evidence_metrics,
-    gold_doc_ids,
     gold_doc_recall,
-    gold_facts,
 )
 from medgraph.methods.graph_r1 import GraphR1, GraphR1Config
 from medgraph.methods.sema_rag import SemaRag, SemaRagConfig
 from medgraph.methods.tools import KnowledgeTools
+from medgraph.qa.item import QaItem, answer_cuis, gold_doc_ids, gold_facts
 from medgraph.retrieval import Retriever
 from medgraph.text.corpus import documents_in_corpus
 

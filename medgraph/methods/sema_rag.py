@@ -31,7 +31,6 @@ from collections.abc import Generator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from medgraph.eval.questions import QaItem
 from medgraph.kg.graph import Triple
 from medgraph.llm.base import ChatModel, GenerationConfig, assistant, system, user
 from medgraph.methods.agent import Episode, Generate, Request, ToolCall, answer_call
@@ -48,6 +47,7 @@ from medgraph.methods.common import (
     step_from_completion,
 )
 from medgraph.methods.tools import KnowledgeTools, Passage, concept_options
+from medgraph.qa.item import QaItem
 
 
 @dataclass(frozen=True)

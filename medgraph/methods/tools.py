@@ -26,8 +26,8 @@ import numpy as np
 
 from medgraph.embed.encoder import Encoder
 from medgraph.embed.vector_cache import TextVectorCache, home_vector_cache
-from medgraph.eval.questions import QaItem
 from medgraph.kg.graph import Triple
+from medgraph.qa.item import QaItem
 from medgraph.retrieval import Retriever, SearchMode
 from medgraph.text.mentions import MENTIONS_TABLE, ConceptDictionary, TextChunk
 from medgraph.text.mentions import SCHEMA as MENTIONS_SCHEMA

@@ -34,7 +34,7 @@ from medgraph.rl.policy import (
 )
 from medgraph.rl.rewards import Reward, episode_reward
 from medgraph.rl.rollout import EncodedConversation, Trajectory, encode_conversation, evaluate, rollout
-from medgraph.rl.sft import SftConfig, expert_demonstrations, load_qa_items, train_sft
+from medgraph.rl.sft import SftConfig, expert_demonstrations, train_sft
 
 __all__ = [
     "EncodedConversation",
@@ -55,7 +55,6 @@ __all__ = [
     "load_champion_policy",
     "load_chosen_policy",
     "load_policy",
-    "load_qa_items",
     "log_policy",
     "rollout",
     "train_grpo",

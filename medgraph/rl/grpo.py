@@ -44,9 +44,9 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from medgraph.eval.questions import QaItem
 from medgraph.llm.hf import TransformersChatModel, autocast
 from medgraph.methods.graph_r1 import GraphR1Config, GraphR1Env
+from medgraph.qa.item import QaItem
 from medgraph.rl.model import (
     POLICY_DIR,
     LoraSettings,

@@ -34,10 +34,10 @@ os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
 
 import mlflow
 
-from medgraph.eval.questions import QaItem
 from medgraph.llm.base import ChatModel, GenerationConfig, Message
 from medgraph.llm.hf import TransformersChatModel, autocast
 from medgraph.methods.graph_r1 import GraphR1Env
+from medgraph.qa.item import QaItem
 from medgraph.rl.grpo import GrpoConfig, GrpoResult, training_curves_figure
 from medgraph.rl.model import save_policy
 from medgraph.rl.rollout import evaluate

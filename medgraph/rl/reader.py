@@ -31,13 +31,12 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
-from medgraph.eval.questions import QaItem
 from medgraph.kg.graph import KnowledgeGraph, Triple
 from medgraph.llm.base import ChatModel, Conversation, assistant
 from medgraph.methods.baselines import kg_facts_prompt, oracle_triples, stated_keys
-from medgraph.methods.common import gold_edge_ids, gold_facts, gold_pairs
 from medgraph.methods.registry import run_method
 from medgraph.methods.tools import KnowledgeTools
+from medgraph.qa.item import QaItem, gold_edge_ids, gold_facts, gold_pairs
 from medgraph.rl.model import LoraSettings, load_trainable
 from medgraph.rl.rollout import encode_conversation
 from medgraph.rl.sft import SftConfig, SftResult, fit_replies

@@ -25,9 +25,9 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 
-from medgraph.eval.questions import QaItem
 from medgraph.llm.base import ChatModel, GenerationConfig, Message
 from medgraph.methods.graph_r1 import STOP, GraphR1Config, GraphR1Env, GraphR1State, restore_stop
+from medgraph.qa.item import QaItem
 from medgraph.rl.rewards import Reward, episode_reward
 
 

@@ -27,7 +27,6 @@ the same masks as GRPO), token-averaged over each batch.
 
 from __future__ import annotations
 
-import json
 import logging
 import random
 import time
@@ -39,10 +38,10 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from medgraph.eval.questions import QaItem
 from medgraph.kg.graph import Triple
 from medgraph.llm.hf import TransformersChatModel, autocast
 from medgraph.methods.graph_r1 import EnvStep, GraphR1Config, GraphR1Env, GraphR1State
+from medgraph.qa.item import QaItem
 from medgraph.rl.grpo import SMALL_ENV, TINY_ENV
 from medgraph.rl.model import (
     LoraSettings,
@@ -54,32 +53,11 @@ from medgraph.rl.model import (
 from medgraph.rl.rewards import episode_reward
 from medgraph.rl.rollout import EncodedConversation, encode_conversation
 from medgraph.settings import profile_config
-from medgraph.storage import Warehouse
 
 log = logging.getLogger(__name__)
 
 
 # --------------------------------------------------------------------------- questions
-
-
-def load_qa_items(warehouse: Warehouse, split: str, limit: int | None = None, seed: int = 0) -> list[QaItem]:
-    """`qa.qa_items` of one split as QaItems carrying gold path, seed, answer and option CUIs in
-    `extra`; `limit` takes a seeded sample (in qid order)."""
-    with warehouse.connect(read_only=True) as con:
-        rows = con.execute(
-            "SELECT dataset, qid, question, options, answer, acceptable_answers, gold_path, seed_cuis, answer_cuis, "
-            "option_cuis, question_type, relations, gold_pairs, gold_facts, hops FROM qa.qa_items WHERE split = ? "
-            "ORDER BY qid", [split]).fetchall()
-    if limit is not None and limit < len(rows):
-        rows = sorted(random.Random(seed).sample(rows, limit), key=lambda row: row[1])
-    return [QaItem(dataset=dataset, qid=qid, question=question, options=json.loads(options or "{}"), answer=answer,
-                   acceptable_answers=tuple(acceptable or ()),
-                   extra={"gold_path": list(gold), "seed_cuis": list(seeds), "answer_cuis": list(answers),
-                          "option_cuis": list(option_cuis or ()), "question_type": question_type,
-                          "relations": list(relations or ()), "gold_pairs": [list(p) for p in pairs or ()],
-                          "gold_facts": [list(f) for f in facts or ()], "hops": hops})
-            for dataset, qid, question, options, answer, acceptable, gold, seeds, answers, option_cuis,
-            question_type, relations, pairs, facts, hops in rows]
 
 
 # --------------------------------------------------------------------------- the expert

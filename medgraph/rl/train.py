@@ -35,8 +35,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from medgraph.embed.encoder import load_encoder
     from medgraph.methods.graph_r1 import GraphR1Env
+    from medgraph.qa.table import load_qa_items
     from medgraph.retrieval import Retriever
-    from medgraph.rl.sft import load_qa_items
     from medgraph.settings import load_settings
     from medgraph.storage import open_warehouse
 

@@ -7,9 +7,7 @@ from dataclasses import dataclass, field
 import duckdb
 
 from medgraph.storage import Warehouse
-from medgraph.umls.schema import AUI_PATTERN, CUI_PATTERN, TUI_PATTERN, RrfLayout
-
-SCHEMA = "umls"
+from medgraph.umls.schema import AUI_PATTERN, CUI_PATTERN, SCHEMA, TUI_PATTERN, RrfLayout
 
 # Identifier columns and the pattern each must match (empty fields allowed:
 # e.g. MRREL.AUI1 is empty for concept-level relations).

@@ -23,13 +23,13 @@ from medgraph.storage import Lake, Warehouse, quote_ident, sql_literal
 from medgraph.umls import checks
 from medgraph.umls.completeness import verify_source
 from medgraph.umls.filters import IngestFilters
+from medgraph.umls.lake_files import remove_superseded_files
 from medgraph.umls.release import RrfSource, release_fingerprint, rrf_source
-from medgraph.umls.schema import INTEGER_COLUMNS, MRSAB, RrfLayout
+from medgraph.umls.schema import INTEGER_COLUMNS, MRSAB, SCHEMA, RrfLayout
 from medgraph.umls.schema import layout as layout_named
 
 log = logging.getLogger(__name__)
 
-SCHEMA = "umls"
 # zstd level 1 and no dictionary pages: the Parquet writer is ~85% of ingestion time, and on
 # RRF text these cut ~18% of it for files of the same size (zstd still sees the repeats).
 _PARQUET_OPTIONS = "COMPRESSION zstd, COMPRESSION_LEVEL 1, DICTIONARY_SIZE_LIMIT 0, ROW_GROUP_SIZE 122880"
@@ -322,8 +322,6 @@ def publish_table(warehouse: Warehouse, staged: StagedTable) -> IngestStats:
     if rejects is not None:
         warehouse.register_parquet_view(SCHEMA, f"{table}_rejects", rejects)
     warehouse.register_parquet_view(SCHEMA, table, final)
-    from medgraph.umls.publish import remove_superseded_files  # publish imports this module
-
     remove_superseded_files(lake, {table: final, **({f"{table}_rejects": rejects} if rejects else {})})
     return published_stats(staged, lake, final)
 

@@ -23,19 +23,18 @@ import time
 import uuid
 from pathlib import Path
 
-from medgraph.s3 import S3Lake
-from medgraph.storage import Lake, Warehouse, sql_literal
+from medgraph.storage import Warehouse, sql_literal
 from medgraph.umls.filters import IngestFilters
 from medgraph.umls.ingest import (
     RRF_FINGERPRINT_KEY,
-    SCHEMA,
     IngestStats,
     StagedTable,
     published_stats,
     stage_rrf_file,
 )
+from medgraph.umls.lake_files import remove_quietly, remove_superseded_files, remove_unreferenced_versions
 from medgraph.umls.release import release_fingerprint
-from medgraph.umls.schema import INGESTED, RrfLayout
+from medgraph.umls.schema import INGESTED, SCHEMA, RrfLayout
 
 log = logging.getLogger(__name__)
 
@@ -96,7 +95,7 @@ def publish_release(warehouse: Warehouse, staged: list[StagedTable],
         for table in staged:
             table.discard(lake)
         for path in moved.values():  # never referenced by a view
-            _remove_quietly(lake, path)
+            remove_quietly(lake, path)
         if not isinstance(error, Exception) or isinstance(error, ReleaseNotPublishedError):
             raise
         raise ReleaseNotPublishedError(
@@ -122,48 +121,6 @@ def table_warnings(staged: StagedTable, stats: IngestStats) -> list[str]:
     if stats.rejected:
         warnings.append(f"{stats.rejected} malformed rows quarantined in {SCHEMA}.{stats.table}_rejects")
     return warnings
-
-
-def remove_superseded_files(lake: Lake | S3Lake, current: dict[str, Path | str]) -> list[str]:
-    """Delete every file of each table (`<table>.parquet`, `<table>.<version>.parquet`) but `current[table]`,
-    which its view now reads; the removed paths. A file that cannot be deleted is logged, not fatal."""
-    removed = []
-    for table, keep in current.items():
-        for path in lake.glob(SCHEMA, f"{table}.*parquet"):
-            if _name(path) != _name(keep) and _remove_quietly(lake, path):
-                removed.append(str(path))
-    return removed
-
-
-def remove_unreferenced_versions(lake: Lake | S3Lake, view_files: dict[str, list[str]]) -> list[str]:
-    """Delete versioned files `umls/<table>.<version>.parquet` that no view reads: those a killed publish
-    moved into place but never committed, or old versions it had no time to delete. Called at the start of
-    a publish (the `warehouse` pool runs one at a time)."""
-    # By file name: the names under umls/ are unique, and a view's path may spell the root differently.
-    referenced = {_name(path) for paths in view_files.values() for path in paths}
-    removed = []
-    for layout in INGESTED:
-        for table in (layout.table, f"{layout.table}_rejects"):
-            for path in lake.glob(SCHEMA, f"{table}.*.parquet"):
-                if _name(path) not in referenced and _remove_quietly(lake, path):
-                    removed.append(str(path))
-    if removed:
-        log.warning("removed %d lake file(s) no view reads, left by an interrupted publish: %s", len(removed),
-                    ", ".join(Path(str(p)).name for p in removed))
-    return removed
-
-
-def _name(path: Path | str) -> str:
-    return str(path).rstrip("/").rsplit("/", 1)[-1]
-
-
-def _remove_quietly(lake: Lake | S3Lake, path: Path | str) -> bool:
-    try:
-        lake.remove(path)
-        return True
-    except Exception as error:  # noqa: BLE001 - a leftover file must not fail a publish that committed
-        log.warning("could not delete the superseded lake file %s: %s", path, error)
-        return False
 
 
 def published_fingerprint(warehouse: Warehouse, path: str) -> str | None:

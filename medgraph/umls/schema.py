@@ -10,6 +10,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+SCHEMA = "umls"  # the warehouse schema of the ingested tables (`umls.mrconso`, ...)
+
 
 @dataclass(frozen=True)
 class RrfLayout:

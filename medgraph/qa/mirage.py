@@ -1,45 +1,17 @@
-"""The benchmark question and its file format: MIRAGE JSON, `{dataset: {qid: {question, options, answer, ...}}}`.
+"""The MIRAGE file format, `{dataset: {qid: {question, options, answer, ...}}}`, read and written as QaItems.
 
-Every evaluation, method and training loop speaks `QaItem`, whatever the source: MIRAGE's own files,
-the KG questions of `medgraph.kg.qa` (written here, with their gold paths in `extra`), PubMedQA or JSONL
-(`medgraph.eval.benchmarks`). `write_mirage` and `load_mirage` are inverses: every field survives.
+`write_mirage` and `load_mirage` are inverses: every field survives (`extra` included, so a KG item's gold
+path is what GSRM recall is measured against).
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from medgraph.files import write_json_atomically
-
-
-@dataclass(frozen=True)
-class QaItem:
-    """One benchmark question from a MIRAGE-format file (ours or MIRAGE's own)."""
-
-    dataset: str
-    qid: str
-    question: str
-    options: dict[str, str]  # {} for a short-answer question
-    answer: str  # an option letter, or the answer text for a short-answer question
-    acceptable_answers: tuple[str, ...] = ()
-    pmids: tuple[str, ...] = ()
-    extra: dict[str, object] = field(default_factory=dict)  # any other field of the entry
-
-    @property
-    def is_multiple_choice(self) -> bool:
-        return bool(self.options)
-
-    @property
-    def answer_text(self) -> str:
-        return self.options.get(self.answer, self.answer)
-
-    @property
-    def gold_answers(self) -> tuple[str, ...]:
-        """The strings a free-text answer is scored against."""
-        return self.acceptable_answers or (self.answer_text,)
+from medgraph.qa.item import QaItem
 
 
 def write_mirage(path: str | Path, items: Sequence[QaItem]) -> Path:

@@ -22,8 +22,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from medgraph.eval.questions import QaItem, load_mirage
-from medgraph.kg.qa import DATASET_OF_TYPE
+from medgraph.qa.drafting import DATASET_OF_TYPE
+from medgraph.qa.item import QaItem
+from medgraph.qa.mirage import load_mirage
 
 PUBMEDQA_OPTIONS = {"A": "yes", "B": "no", "C": "maybe"}
 KINDS = ("kg", "mirage", "pubmedqa", "jsonl")
