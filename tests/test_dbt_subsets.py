@@ -104,9 +104,8 @@ def test_dbt_runs_under_the_warehouse_memory_limit(tiny_release: Path, tmp_path:
                               "MEDGRAPH_PROFILE": "tiny", "MEDGRAPH_DUCKDB_MEMORY_LIMIT": "1MB"})
     resources = build_resources(settings)
     assert resources["warehouse"].memory_limit == "1MB"
-    ingested = dg.materialize([*umls.umls_tables], resources=build_resources(load_settings(
+    dg.materialize([*umls.umls_tables], resources=build_resources(load_settings(
         {"MEDGRAPH_HOME": str(tmp_path / "home"), "MEDGRAPH_UMLS_DIR": str(tiny_release), "MEDGRAPH_PROFILE": "tiny"})))
-    assert ingested.success
     # The staging views and kg_nodes only (the umls tables are in place): the dbt step is what fails.
     result = dg.materialize([kg.kg_dbt_models], resources=resources, selection="*kg/kg_nodes", raise_on_error=False)
     assert not result.success

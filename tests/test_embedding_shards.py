@@ -77,8 +77,7 @@ def test_edge_embeddings_on_two_shards_equal_the_unsharded_table(kg_warehouse: W
     config = dg.RunConfig(ops={"embeddings__edge_embeddings": EmbeddingConfig(relations=RELATIONS)})
 
     unsharded_assets = build_embedding_assets(1)
-    assert dg.materialize(unsharded_assets, selection=[EDGES], resources=resources(whole.path.parent),
-                          run_config=config).success
+    dg.materialize(unsharded_assets, selection=[EDGES], resources=resources(whole.path.parent), run_config=config)
 
     (tmp_path / "dagster").mkdir()
     with dg.instance_for_test(temp_dir=str(tmp_path / "dagster")) as instance:
@@ -97,7 +96,6 @@ def test_edge_embeddings_on_two_shards_equal_the_unsharded_table(kg_warehouse: W
 
         merged = dg.materialize(build_embedding_assets(2), selection=[EDGES], resources=resources(sharded.path.parent),
                                 instance=instance, run_config=config)
-        assert merged.success
         assert merged.asset_materializations_for_node("embeddings__edge_embeddings")[0].metadata["shards"].value == 2
 
     shard_ids = [set(pq.read_table(shard_path(sharded.lake, "edge_embeddings", Shard(k, 2))).column("id").to_pylist())

@@ -34,7 +34,6 @@ def train(resources: dict, instance: dg.DagsterInstance, **config: object) -> di
     torch.set_num_threads(1)
     result = dg.materialize([gat_model], resources=resources, instance=instance, run_config=dg.RunConfig(
         ops={"models__gat_model": {"config": {"profile": "tiny", **config}}}))
-    assert result.success
     (materialization,) = result.asset_materializations_for_node("models__gat_model")
     return materialization.metadata
 

