@@ -21,6 +21,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from medgraph.settings import DEFAULT_LLM
+
 if TYPE_CHECKING:
     from medgraph.llm.base import ChatModel
     from medgraph.methods.a2rag import GraphTokenEncoder
@@ -628,7 +630,7 @@ def _parser() -> argparse.ArgumentParser:
     ask.add_argument("--method", default="a2rag",
                      help="a2rag, graph-r1, sema-rag, cot, rag, rag-kg, irag, or a named ablation such as a2rag-no-gsrm "
                           "(medgraph.methods.ABLATIONS); default: a2rag")
-    ask.add_argument("--llm", default=None, help="LLM spec (default: MEDGRAPH_LLM, smollm2-135m-instruct)")
+    ask.add_argument("--llm", default=None, help=f"LLM spec (default: MEDGRAPH_LLM, {DEFAULT_LLM})")
     ask.add_argument("--reader", choices=("base", "adapted"), default="base",
                      help="who answers the answering call: the LLM (base) or the registered reader adapter "
                           "(adapted: medgraph-reader-adapter@champion, models/reader_adapter); the other calls stay "

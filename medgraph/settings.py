@@ -12,6 +12,10 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, TypeVar
 
+from medgraph.home import HomeLayout
+
+DEFAULT_LLM = "smollm2-135m-instruct"  # the built-in default of MEDGRAPH_LLM (medgraph.llm.models)
+
 PROFILES = ("tiny", "demo", "full")
 
 
@@ -156,16 +160,20 @@ class Settings:
         return self.lake or str(self.lake_root)
 
     @property
+    def layout(self) -> HomeLayout:
+        return HomeLayout(self.home)
+
+    @property
     def warehouse_path(self) -> Path:
-        return self.home / "warehouse.duckdb"
+        return self.layout.warehouse
 
     @property
     def lake_root(self) -> Path:
-        return self.home / "lake"
+        return self.layout.lake
 
     @property
     def sample_release_dir(self) -> Path:
-        return self.home / "sample_release" / self.profile
+        return self.layout.sample_release(self.profile)
 
 
 def load_settings(env: dict[str, str] | None = None) -> Settings:
@@ -183,8 +191,8 @@ def load_settings(env: dict[str, str] | None = None) -> Settings:
         umls_dir=env.get("MEDGRAPH_UMLS_DIR") or None,
         profile=profile,
         encoder=env.get("MEDGRAPH_ENCODER") or "minilm",
-        llm=env.get("MEDGRAPH_LLM") or "smollm2-135m-instruct",
-        mlflow_tracking_uri=env.get("MLFLOW_TRACKING_URI") or f"sqlite:///{home / 'mlflow.db'}",
+        llm=env.get("MEDGRAPH_LLM") or DEFAULT_LLM,
+        mlflow_tracking_uri=env.get("MLFLOW_TRACKING_URI") or f"sqlite:///{HomeLayout(home).mlflow_db}",
         benchmark=env.get("MEDGRAPH_BENCHMARK") or "kg",
         lake=env.get("MEDGRAPH_LAKE") or "",
         s3_endpoint_url=env.get("MEDGRAPH_S3_ENDPOINT_URL") or None,

@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 import duckdb
 import pyarrow as pa
 
+from medgraph.home import HomeLayout
 from medgraph.s3 import S3Lake, S3Options, is_s3_uri, s3_client_and_options
 
 if TYPE_CHECKING:
@@ -209,10 +210,11 @@ def warehouse_at(home: Path, lake: str | None = None, *, s3_endpoint_url: str | 
     None: `<home>/lake`). An S3 lake is reached at `s3_endpoint_url` (None: AWS) with keys from the AWS chain
     or the Secrets Manager secret `s3_secret_id`. The one place a warehouse is laid out: the Dagster
     resource, the CLI and the launchers all call it, so each sees what the others wrote."""
-    location = lake or str(home / "lake")
+    layout = HomeLayout(home)
+    location = lake or str(layout.lake)
     client, options = s3_client_and_options(s3_endpoint_url, s3_secret_id) if is_s3_uri(location) \
         else (None, None)
-    return Warehouse(home / "warehouse.duckdb", open_lake(location, home / "lake_local", client, options),
+    return Warehouse(layout.warehouse, open_lake(location, layout.lake_local, client, options),
                      memory_limit, threads)
 
 

@@ -339,7 +339,7 @@ class Tracking:
         (e.g. s3://bucket/mlflow: MLflow then writes through boto3, with MLFLOW_S3_ENDPOINT_URL for an
         S3-compatible server), default `$MEDGRAPH_HOME/artifacts`. A tracking server started with
         --serve-artifacts needs neither: it stores artifacts itself."""
-        return cls(settings.mlflow_tracking_uri, settings.mlflow_artifacts or str(settings.home / "artifacts"))
+        return cls(settings.mlflow_tracking_uri, settings.mlflow_artifacts or str(settings.layout.artifacts))
 
     @property
     def client(self) -> MlflowClient:

@@ -23,6 +23,7 @@ from medgraph.eval.gsrm import (
     sweep_markdown,
     write_gsrm_params,
 )
+from medgraph.home import HomeLayout
 from medgraph.methods.a2rag import A2RagConfig
 from medgraph.methods.tools import KnowledgeTools
 from medgraph.qa.item import QaItem
@@ -50,7 +51,7 @@ class GsrmSweepConfig(dg.Config):
 
 def _items(home: Path, split: str, limit: int | None = None) -> list[QaItem]:
     """The split's items with gold pairs (1- and 2-hop); `limit` of them, in turn from each (dataset, hops)."""
-    return measurable_items(load_mirage(home / "qa" / f"qa_items.{split}.json"), limit)
+    return measurable_items(load_mirage(HomeLayout(home).qa_split(split)), limit)
 
 
 @dg.asset(key=GSRM_PARAMS.path, deps=PARAMS_INPUTS, group_name="models", kinds={"mlflow", "json"},

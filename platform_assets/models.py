@@ -79,7 +79,7 @@ def gat_model(context: dg.AssetExecutionContext, config: GatTrainingConfig, ware
     store = warehouse.get_warehouse()
     tracking = mlflow_tracking.tracking()
     with mlflow_tracking.start_asset_run(context, GAT_INPUTS) as run:
-        checkpoints = checkpoint_dir(Path(warehouse.home) / "checkpoints" / "gat_model", run, gat_config.as_dict())
+        checkpoints = checkpoint_dir(warehouse.layout.checkpoints("gat_model"), run, gat_config.as_dict())
         mlflow.log_params({k: str(v) for k, v in gat_config.as_dict().items()})
         mlflow.set_tag("checkpoint_dir", str(checkpoints))
 
@@ -209,7 +209,7 @@ def reader_adapter(context: dg.AssetExecutionContext, config: ReaderAdapterConfi
     if not valid:
         raise dg.Failure(f"no validation questions of {reader_config.valid_dataset!r} in qa/qa_items: the champion "
                          "gate needs them")
-    out = Path(warehouse.home) / "checkpoints" / "reader_adapter" / context.run.run_id
+    out = warehouse.layout.checkpoints("reader_adapter") / context.run.run_id
     with Retriever(store, encoder.load()) as retriever, mlflow_tracking.start_asset_run(context, READER_INPUTS):
         tools = KnowledgeTools(retriever)
         examples, counts = reader_examples(retriever.graph, train, reader_config, held_out)

@@ -14,7 +14,6 @@ version, so a run that loses the gate triggers nothing downstream.
 """
 
 import shutil
-from pathlib import Path
 
 import dagster as dg
 import mlflow
@@ -109,7 +108,7 @@ def graph_r1_sft(context: dg.AssetExecutionContext, config: GraphR1SftConfig, wa
     sft_config = config.sft_config()
     store, base, tracking = warehouse.get_warehouse(), _base_model(llm), mlflow_tracking.tracking()
     evaluate_base = config.evaluate_base or tracking.champion_version(GRAPH_R1_SFT_MODEL.name) is None
-    out = Path(warehouse.home) / "checkpoints" / "graph_r1_sft" / context.run.run_id
+    out = warehouse.layout.checkpoints("graph_r1_sft") / context.run.run_id
     with Retriever(store, encoder.load()) as retriever, mlflow_tracking.start_asset_run(context, ENV_INPUTS):
         env, valid = GraphR1Env(retriever, sft_config.graph_r1), _validation_items(store, sft_config)
         demos = expert_demonstrations(env, load_qa_items(store, "train", sft_config.train_items, sft_config.seed))
@@ -181,7 +180,7 @@ def graph_r1_policy(context: dg.AssetExecutionContext, config: GraphR1PolicyConf
     store, tracking = warehouse.get_warehouse(), mlflow_tracking.tracking()
     sft_uri = _sft_start_uri(context, tracking)
     with Retriever(store, encoder.load()) as retriever, mlflow_tracking.start_asset_run(context, POLICY_INPUTS) as run:
-        work = checkpoint_dir(Path(warehouse.home) / "checkpoints" / "graph_r1_policy", run, grpo_config.as_dict(),
+        work = checkpoint_dir(warehouse.layout.checkpoints("graph_r1_policy"), run, grpo_config.as_dict(),
                               sft=sft_uri)
         start = download_checkpoint(sft_uri, work / "start")
         env, valid = GraphR1Env(retriever, grpo_config.graph_r1), _validation_items(store, grpo_config)

@@ -1,6 +1,5 @@
 """KG-derived questions with verifiable answers: the embedded benchmark and the policy's training data."""
 
-from pathlib import Path
 
 import dagster as dg
 
@@ -40,7 +39,7 @@ def qa_items(context: dg.AssetExecutionContext, config: QaConfig, warehouse: War
     Table `qa.qa_items` plus MIRAGE files `$MEDGRAPH_HOME/qa/qa_items.<split>.json`; the no-LLM shortcut
     baselines and the relation-aware oracle of every dataset and split in `qa.qa_shortcuts`."""
     store = warehouse.get_warehouse()
-    stats = generate_qa_items(store, Path(warehouse.home) / "qa", seed=config.seed, per_type=config.per_type)
+    stats = generate_qa_items(store, warehouse.layout.qa, seed=config.seed, per_type=config.per_type)
     shortcuts = measure_shortcuts(store)
     metadata = stats.as_metadata()
     metadata["shortcuts_test"] = dg.MetadataValue.md(shortcuts_markdown(shortcuts))

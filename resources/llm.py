@@ -7,12 +7,13 @@ import dagster as dg
 from pydantic import PrivateAttr
 
 from medgraph.llm import ChatModel, load_llm
+from medgraph.settings import DEFAULT_LLM
 
 
 class LlmResource(dg.ConfigurableResource):
     """See `medgraph.llm.load_llm` for the accepted specs; converted checkpoints cache under `home`."""
 
-    spec: str = "smollm2-135m-instruct"
+    spec: str = DEFAULT_LLM
     home: str
     device: str = "auto"
     dtype: str | None = None

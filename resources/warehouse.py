@@ -6,6 +6,7 @@ from typing import Any
 
 import dagster as dg
 
+from medgraph.home import HomeLayout
 from medgraph.s3 import download_release, is_s3_uri, list_objects, listing_fingerprint, s3_client_and_options
 from medgraph.settings import Settings, load_settings
 from medgraph.storage import Warehouse, warehouse_at
@@ -41,6 +42,10 @@ class WarehouseResource(dg.ConfigurableResource):
     # at 10M MRREL rows: it does not spill).
     dbt_memory_limit: str | None = None
 
+    @property
+    def layout(self) -> HomeLayout:
+        return HomeLayout(self.home)
+
     def get_warehouse(self) -> Warehouse:
         return warehouse_at(Path(self.home), self.lake, s3_endpoint_url=self.s3.endpoint_url,
                             s3_secret_id=self.s3.credentials_secret_id, memory_limit=self.memory_limit,
@@ -59,13 +64,17 @@ class UmlsReleaseResource(dg.ConfigurableResource):
     sabs: list[str] | None = None
     max_srl: int | None = None
 
+    @property
+    def layout(self) -> HomeLayout:
+        return HomeLayout(self.home)
+
     def path(self) -> Path:
         """A local META directory; a release on S3 is mirrored first into `$MEDGRAPH_HOME/umls_cache`
         (only files whose ETag or size changed are downloaded)."""
         if is_s3_uri(self.umls_dir):
             names = tuple(layout.filename for layout in INGESTED)
-            return download_release(self.s3.client(), self.umls_dir, Path(self.home) / "umls_cache", names)
-        return resolve_release_dir(self.umls_dir, Path(self.home) / "sample_release" / self.profile, self.profile)
+            return download_release(self.s3.client(), self.umls_dir, self.layout.umls_cache, names)
+        return resolve_release_dir(self.umls_dir, self.layout.sample_release(self.profile), self.profile)
 
     def fingerprint(self) -> tuple[str, str]:
         """(content fingerprint, location). On S3 from names, sizes and ETags: a sensor tick downloads nothing."""

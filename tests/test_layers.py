@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # Lowest first. A module may import its own layer and the ones below it, never one above.
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("settings", "files", "storage", "s3", "tracking", "stats", "llm"),
+    ("home", "settings", "files", "storage", "s3", "tracking", "stats", "llm"),
     ("umls", "kg", "text", "embed", "qa"),
     ("gnn",),
     ("retrieval",),

@@ -29,6 +29,7 @@ from pathlib import Path
 import numpy as np
 
 from medgraph.files import write_atomically
+from medgraph.home import HomeLayout
 
 SHARDS_BEFORE_MERGE = 32
 
@@ -115,4 +116,4 @@ class TextVectorCache:
 
 def home_vector_cache(home: str | Path, encoder_id: str) -> TextVectorCache:
     """The cache of a MEDGRAPH_HOME: `$MEDGRAPH_HOME/cache/text_vectors/<encoder_id>/`."""
-    return TextVectorCache(Path(home) / "cache" / "text_vectors", encoder_id)
+    return TextVectorCache(HomeLayout(home).text_vectors, encoder_id)

@@ -31,6 +31,7 @@ from pathlib import Path
 import numpy as np
 
 from medgraph.files import write_atomically
+from medgraph.home import HomeLayout
 from medgraph.methods.a2rag import A2RagConfig, gsrm_refine
 from medgraph.methods.registry import make_config, method_of
 from medgraph.methods.tools import KnowledgeTools
@@ -319,7 +320,7 @@ def log_sweep(sweeps: Mapping[str, GsrmSweep], choices: Mapping[str, GsrmChoice]
 
 
 def params_path(home: Path) -> Path:
-    return Path(home) / "models" / "gsrm_params.json"
+    return HomeLayout(home).gsrm_params
 
 
 def write_gsrm_params(home: Path, default: GsrmChoice, sweeps: Mapping[str, GsrmSweep],

@@ -25,8 +25,8 @@ from pathlib import Path
 from filelock import FileLock
 
 from medgraph.files import build_directory_once, staging_path
+from medgraph.home import HomeLayout
 
-MODELS_DIR = "models"  # under MEDGRAPH_HOME
 _SOURCE_FILE = "medgraph-source.json"  # written into every converted checkpoint: where it came from
 _CHUNK = 1 << 20
 
@@ -91,7 +91,7 @@ BUILTIN_MODELS: dict[str, BuiltinModel] = {
 
 
 def models_root(home: Path) -> Path:
-    return home / MODELS_DIR
+    return HomeLayout(home).models
 
 
 def _package_dir(module: str) -> Path | None:

@@ -22,6 +22,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from medgraph.home import HomeLayout
 from medgraph.qa.drafting import DATASET_OF_TYPE
 from medgraph.qa.item import QaItem
 from medgraph.qa.mirage import load_mirage
@@ -59,7 +60,7 @@ def parse_benchmark_spec(spec: str, home: Path) -> list[BenchmarkSource]:
         if not part:
             continue
         if part == "kg":
-            sources.append(BenchmarkSource("kg", home / "qa" / "qa_items.test.json"))
+            sources.append(BenchmarkSource("kg", HomeLayout(home).qa_split("test")))
             continue
         kind, sep, rest = part.partition(":")
         if not sep or kind not in KINDS:

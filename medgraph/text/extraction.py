@@ -28,6 +28,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
 from medgraph.llm.base import ChatModel, GenerationConfig, system, user
+from medgraph.settings import DEFAULT_LLM
 from medgraph.storage import Warehouse, quote_ident, sql_literal, transaction
 from medgraph.text.mentions import ConceptDictionary, TextChunk, read_chunks
 
@@ -37,7 +38,7 @@ SCHEMA = "text"
 HYPEREDGES_TABLE = "chunk_hyperedges"
 RUNS_TABLE = "chunk_hyperedge_runs"
 # The default LLM of a demo: too small to extract relations worth keeping (it mostly echoes the text).
-TINY_LLMS = frozenset({"smollm2-135m-instruct"})
+TINY_LLMS = frozenset({DEFAULT_LLM})
 MIN_LINK_SCORE = 0.9  # mentions at or above this score link an entity to a concept (as evidence recall does)
 
 EXTRACTION_SYSTEM = "You extract knowledge from biomedical text. Reply only with JSON lines."
