@@ -25,6 +25,8 @@ import time
 from collections.abc import Iterator
 
 import dagster as dg
+
+# Private on purpose (module docstring): the in-process executor with our pool wait has no public hook.
 from dagster._core.definitions.executor_definition import IN_PROC_CONFIG, _core_in_process_executor_creation
 from dagster._core.errors import DagsterExecutionInterruptedError
 from dagster._core.events import DagsterEvent, EngineEventData

@@ -9,6 +9,8 @@ import sys
 import dagster as dg
 import psutil
 from dagster import DagsterEventType, DagsterRunStatus, RunsFilter
+
+# Private: the one way to tell a local SQLite instance (whose dead runs only we can recover) from PostgreSQL.
 from dagster._core.storage.runs import SqliteRunStorage
 
 

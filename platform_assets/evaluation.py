@@ -14,7 +14,8 @@ import dagster as dg
 import mlflow
 
 from medgraph.eval.evaluate import markdown_table, summarize, write_run
-from medgraph.eval.gsrm import read_gsrm_params, with_tuned_gsrm
+from medgraph.eval.families import FAMILIES, EvalFamily, UnknownReaderError, plan_family, run_family
+from medgraph.eval.gsrm import read_gsrm_params
 from medgraph.eval.monitoring import (
     Alarm,
     EvalTableMissing,
@@ -23,25 +24,21 @@ from medgraph.eval.monitoring import (
     latency_p95_alarm,
     step_budget_alarm,
 )
-from medgraph.eval.readers import READERS, base_reader_only, load_adapted_reader, reader_label
-from medgraph.methods.registry import make_config, run_method
 from medgraph.methods.tools import KnowledgeTools
-from medgraph.qa.benchmarks import load_benchmark, partition_names
+from medgraph.qa.benchmarks import load_benchmark
 from medgraph.qa.mirage import load_mirage, write_mirage
 from medgraph.retrieval import Retriever
-from medgraph.settings import load_settings, redact_uri
-from medgraph.tracking import GRAPH_R1_POLICY_MODEL, MODELS, Tracking, metric_name
+from medgraph.settings import redact_uri
+from medgraph.tracking import GRAPH_R1_POLICY_MODEL, MODELS, metric_name
 from medgraph.umls.schema import MRCONSO
 from platform_assets.automation import on_data_version_change, on_data_version_change_once_settled
+from platform_assets.partitions import BENCHMARK, DATASETS
 from resources import EncoderResource, LlmResource, MlflowResource, WarehouseResource
-
-SETTINGS = load_settings()
-# Never raises: a bad benchmark fails inside eval/qa_benchmark, not while the definitions load.
-DATASETS = dg.StaticPartitionsDefinition(partition_names(SETTINGS.benchmark, SETTINGS.home))
+from resources.mlflow import latest_data_version
 
 
 class BenchmarkConfig(dg.Config):
-    spec: str = SETTINGS.benchmark
+    spec: str = BENCHMARK
     """Benchmark sources (MEDGRAPH_BENCHMARK): kg, mirage:PATH[#a+b], pubmedqa:PATH, jsonl:PATH[#name]."""
     limit: int | None = None
     """Questions per dataset (the first N in file order); None: all."""
@@ -65,7 +62,7 @@ def qa_benchmark(context: dg.AssetExecutionContext, config: BenchmarkConfig,
     if dataset not in benchmark:
         raise dg.Failure(f"benchmark {config.spec!r} has no dataset {dataset!r} (it has {sorted(benchmark)})")
     items = benchmark[dataset]
-    path = write_mirage(Path(warehouse.home) / "eval" / "benchmark" / f"{dataset}.json", items)
+    path = write_mirage(warehouse.layout.benchmark(dataset), items)
     return dg.MaterializeResult(metadata={"questions": len(items), "path": dg.MetadataValue.path(str(path)),
                                           "spec": config.spec,
                                           "multiple_choice": sum(i.is_multiple_choice for i in items)})
@@ -85,116 +82,53 @@ class EvalConfig(dg.Config):
     champion; results labelled `<method>@adapted`). Graph-R1 and A2RAG's HIIM row keep the base reader."""
 
 
-def _load_policy(methods: list[str] | tuple[str, ...],
-                 tracking: Tracking) -> tuple[dict[str, tuple], dict[str, object]]:
-    """Graph-R1 method or ablation -> (PolicyChoice, its chat model or None for the base LLM): `graph-r1`
-    the GRPO champion, else the SFT champion, else the base LLM; `graph-r1-sft-only` the SFT champion or
-    nothing (choice.source None: skipped); `graph-r1-no-sft` the base LLM. Each model is loaded once.
-    Also the environment every Graph-R1 variant runs in: the one `graph-r1`'s policy (else the first
-    trained one) learned in, so the ablations are paired with it in the same environment."""
-    from medgraph.methods.registry import method_of
-    from medgraph.rl.policy import choose_policy, load_chosen_policy, policy_environment
-
-    loaded: dict[str | None, object] = {None: None}
-    policies = {}
-    for method in (m for m in methods if method_of(m) == "graph-r1"):
-        choice = choose_policy(method, tracking)
-        if choice.model_uri not in loaded:
-            loaded[choice.model_uri] = load_chosen_policy(choice, tracking)
-        policies[method] = (choice, loaded[choice.model_uri])
-    trained = sorted((m != "graph-r1", c.model_uri) for m, (c, _) in policies.items() if c.model_uri)
-    environment = policy_environment(trained[0][1], tracking) if trained else {}
-    return policies, environment
-
-
-def _eval_asset(name: str, methods: tuple[str, ...], model_deps: tuple[dg.AssetKey, ...], description: str):
+def _eval_asset(family: EvalFamily):
     inputs = [dg.AssetKey(["eval", "qa_benchmark"]), dg.AssetKey(["embeddings", "node_embeddings"]),
               dg.AssetKey(["embeddings", "edge_embeddings"]), dg.AssetKey(["embeddings", "chunk_embeddings"]),
-              *model_deps]
+              *(dg.AssetKey(["models", model]) for model in family.models)]
 
     @dg.asset(
-        key=["eval", name],
+        key=["eval", family.name],
         deps=inputs,
         partitions_def=DATASETS,
         group_name="evaluation",
         kinds={"duckdb", "parquet", "mlflow"},
         pool="gpu",
         code_version="1",
-        description=description,
+        description=family.description,
         automation_condition=on_data_version_change(),
     )
     def _evaluate(context: dg.AssetExecutionContext, config: EvalConfig, warehouse: WarehouseResource,
                   encoder: EncoderResource, llm: LlmResource, mlflow_tracking: MlflowResource) -> dg.MaterializeResult:
         dataset = context.partition_key
-        home = Path(warehouse.home)
-        items = load_mirage(home / "eval" / "benchmark" / f"{dataset}.json")[: config.limit]
+        items = load_mirage(warehouse.layout.benchmark(dataset))[: config.limit]
         overrides = json.loads(config.method_config)
         store = warehouse.get_warehouse()
-        chat = llm.load()
-        tracking = mlflow_tracking.tracking()
-        graph_tokenizer = None
-        if "a2rag" in name:
-            from medgraph.gnn.graph_tokens import load_champion_graph_tokenizer  # torch-heavy: only when used
-
-            graph_tokenizer = load_champion_graph_tokenizer(chat, store, tracking)
-        policies, environment = _load_policy(config.methods or methods, tracking)
-        unknown = set(config.readers) - set(READERS)
-        if unknown:
-            raise dg.Failure(f"unknown readers {sorted(unknown)} in run config: {', '.join(READERS)}")
-        adapted, adapted_source = load_adapted_reader(tracking) if "adapted" in config.readers else (None, "")
-        lineage = {"llm": chat.name, "encoder": encoder.load().encoder_id,
-                   "readers": ", ".join(config.readers) + (f" (adapted: {adapted_source})" if adapted_source else ""),
-                   "hiim": "graph-tokens" if graph_tokenizer is not None else "text-only",
-                   "graph_r1_policy": "; ".join(f"{m}: {c.description}" for m, (c, _) in policies.items()) or "n/a"}
-        if environment:  # the trained policy's environment; method_config still wins
-            overrides = {m: {**environment, **overrides.get(m, {})} if m in policies else overrides.get(m, {})
-                         for m in {*overrides, *policies}}
-            lineage["graph_r1_environment"] = (
-                ", ".join(f"{k}={v}" for k, v in sorted(environment.items()))
-                + " (the environment the policy was trained in, not the design's 10 steps and ~500-token analyze: "
-                  "a policy is evaluated where it learned; the CPU profiles train in a smaller one for speed)")
-        if name == "eval_a2rag":  # tau, K, N tuned on validation by models/gsrm_params; method_config still wins
-            overrides, gsrm_lineage = with_tuned_gsrm(read_gsrm_params(home), config.methods or methods, overrides)
-            lineage.update(gsrm_lineage)
-        results = []
+        try:
+            plan = plan_family(family, llm.load(), store, mlflow_tracking.tracking(), warehouse.layout.root,
+                               encoder_id=encoder.load().encoder_id, methods=config.methods, readers=config.readers,
+                               overrides=overrides)
+        except UnknownReaderError as error:
+            raise dg.Failure(f"{error} (run config `readers`)") from None
         with Retriever(store, encoder.load()) as retriever, \
-                mlflow_tracking.start_asset_run(context, inputs, run_name=f"{name}-{dataset}") as run:
-            mlflow.set_tags({"dataset": dataset, **{f"lineage/{k}": v for k, v in lineage.items()}})
-            tools = KnowledgeTools.with_home_cache(retriever, home)
-            for reader_name, method in ((r, m) for r in config.readers for m in config.methods or methods):
-                choice, policy = policies.get(method, (None, None))
-                if choice is not None and choice.source is None:  # e.g. SFT-only without an SFT champion
-                    context.log.warning(f"{method} on {dataset}: {choice.description}")
-                    continue
-                label = reader_label(method, reader_name)
-                reader = adapted if reader_name == "adapted" else None
-                why_not = base_reader_only(method) if reader_name == "adapted" else None
-                if reader_name == "adapted" and (reader is None or why_not):
-                    context.log.warning(f"{label} on {dataset}: not run: {why_not or adapted_source}")
-                    continue
-                model = policy if policy is not None else chat
-                context.log.info(f"{label} on {dataset}: {len(items)} questions with {model.name}"
-                                 + (f", answered by {reader.name}" if reader is not None else ""))
-                answered = run_method(method, items, tools, model, make_config(method, overrides.get(method)),
-                                      batch_size=config.batch_size, graph_tokenizer=graph_tokenizer, reader=reader)
-                for result in answered:
-                    result.method = label
-                    if choice is not None:
-                        result.stats.update(graph_r1_policy=choice.description, graph_r1_policy_source=choice.source)
-                results += answered
+                mlflow_tracking.start_asset_run(context, inputs, run_name=f"{family.name}-{dataset}") as run:
+            mlflow.set_tags({"dataset": dataset, **{f"lineage/{k}": v for k, v in plan.lineage.items()}})
+            results = run_family(plan, items, KnowledgeTools.with_home_cache(retriever, warehouse.home),
+                                 batch_size=config.batch_size, log=context.log.info, warn=context.log.warning,
+                                 dataset=dataset)
             summaries = summarize(results)
             for s in summaries:
                 mlflow.log_metrics({metric_name(f"{s.method}/{k}"): v for k, v in s.as_row().items()
                                     if isinstance(v, float | int) and not isinstance(v, bool)})
                 mlflow.log_metrics({metric_name(f"{s.method}/{k}"): v for k, v in s.extra.items()})
-            mlflow.log_dict({"summaries": [s.as_row() for s in summaries], "lineage": lineage},
+            mlflow.log_dict({"summaries": [s.as_row() for s in summaries], "lineage": plan.lineage},
                             f"summary_{dataset}.json")
             run_id = run.info.run_id
-        paths = write_run(store, name, dataset, results, summaries)
+        paths = write_run(store, family.name, dataset, results, summaries)
         metadata: dict[str, object] = {
             "summary": dg.MetadataValue.md(markdown_table(summaries)),
-            "mlflow_run_id": run_id, "questions": len(items), **lineage,
-            "results_table": f"eval.{name}_results", "traces_table": f"eval.{name}_traces",
+            "mlflow_run_id": run_id, "questions": len(items), **plan.lineage,
+            "results_table": f"eval.{family.name}_results", "traces_table": f"eval.{family.name}_traces",
             "results_path": dg.MetadataValue.path(str(paths["results"])),
         }
         for s in summaries:
@@ -206,26 +140,7 @@ def _eval_asset(name: str, methods: tuple[str, ...], model_deps: tuple[dg.AssetK
     return _evaluate
 
 
-READER = dg.AssetKey(["models", "reader_adapter"])
-GAT = dg.AssetKey(["models", "gat_model"])
-PROJECTOR = dg.AssetKey(["models", "hiim_projector"])
-GSRM_PARAMS = dg.AssetKey(["models", "gsrm_params"])
-POLICY = dg.AssetKey(["models", "graph_r1_policy"])
-SFT = dg.AssetKey(["models", "graph_r1_sft"])
-
-eval_assets = [
-    _eval_asset("eval_baselines", ("cot", "rag", "rag-kg", "irag", "oracle-evidence"), (READER,),
-                "Baselines: chain of thought; MedRAG (text snippets, BM25 + dense, RRF); rag-kg, our variant with "
-                "KG triples; i-MedRAG (follow-up queries, each answered from its snippets); oracle-evidence, the "
-                "reader's ceiling (the gold facts and wrong-relation triples of the same concepts)."),
-    _eval_asset("eval_a2rag", ("a2rag",), (GAT, PROJECTOR, GSRM_PARAMS, READER),
-                "A2RAG (AWC + GSRM + HIIM with the champion projector, text-only fallback recorded)."),
-    _eval_asset("eval_graph_r1", ("graph-r1",), (SFT, POLICY),
-                "The Graph-R1 agent driven by the GRPO champion, else the SFT champion, else the base LLM (said in "
-                "its lineage); ablations graph-r1-no-sft (base LLM) and graph-r1-sft-only."),
-    _eval_asset("eval_sema_rag", ("sema-rag",), (READER,),
-                "SEMA-RAG (I-Agent schema, E-Agent sufficiency loop, A-Agent evidence report)."),
-]
+eval_assets = [_eval_asset(family) for family in FAMILIES]
 
 class LatencyBudget(dg.Config):
     max_p95_s: float = 60.0
@@ -307,11 +222,7 @@ def _ingested_release_fingerprint(instance: dg.DagsterInstance) -> str:
     recorded = ingested.asset_materialization.metadata.get("release_fingerprint") if ingested else None
     if recorded is not None:
         return str(recorded.value)
-    from dagster._core.definitions.data_version import extract_data_version_from_entry
-
-    observed = instance.get_latest_data_version_record(dg.AssetKey("umls_release"))
-    version = extract_data_version_from_entry(observed.event_log_entry) if observed else None
-    return version.value if version else "unknown"
+    return latest_data_version(instance, dg.AssetKey("umls_release"))
 
 
 class ReportConfig(dg.Config):
@@ -343,7 +254,7 @@ def evaluation_report(context: dg.AssetExecutionContext, config: ReportConfig, w
     store = warehouse.get_warehouse()
     tracking = mlflow_tracking.tracking()
     lineage = {"release fingerprint": _ingested_release_fingerprint(context.instance),
-               "encoder": encoder.spec, "LLM": redact_uri(llm.spec), "benchmark": redact_uri(SETTINGS.benchmark)}
+               "encoder": encoder.spec, "LLM": redact_uri(llm.spec), "benchmark": redact_uri(BENCHMARK)}
     for name in (model.name for model in MODELS.values()):
         lineage[f"{name}@champion"] = f"v{tracking.champion_version(name)}" if tracking.champion_version(name) \
             else "none registered"
@@ -358,7 +269,7 @@ def evaluation_report(context: dg.AssetExecutionContext, config: ReportConfig, w
                     read_gsrm_params(Path(warehouse.home)))
     if not data.summaries:
         raise dg.Failure("no evaluation results yet: materialize the eval/* assets first")
-    paths = build_report(data, Path(warehouse.home) / "reports")
+    paths = build_report(data, warehouse.layout.reports)
     with mlflow_tracking.start_asset_run(context, [a.key for a in eval_assets]):
         mlflow.log_artifact(str(paths["markdown"]))
         mlflow.log_artifact(str(paths["html"]))

@@ -15,17 +15,20 @@ import mlflow
 from medgraph.settings import Settings
 from medgraph.tracking import DATA_VERSION_TAG, Tracking
 
+# Where Dagster keeps an event's data version: a tag of the materialization or observation (the public
+# `EventLogEntry.tags`; Dagster's own constant lives in a private module).
+DAGSTER_DATA_VERSION_TAG = "dagster/data_version"
+
+
+def latest_data_version(instance: dg.DagsterInstance, key: dg.AssetKey) -> str:
+    """The data version of the asset's latest materialization or observation; "unknown" when it has none."""
+    record = instance.get_latest_data_version_record(key)
+    return (record.event_log_entry.tags or {}).get(DAGSTER_DATA_VERSION_TAG, "unknown") if record else "unknown"
+
 
 def input_data_versions(context: dg.AssetExecutionContext, keys: Sequence[dg.AssetKey]) -> dict[str, str]:
     """The latest data version of each input asset (materialization or observation), by key."""
-    from dagster._core.definitions.data_version import extract_data_version_from_entry
-
-    versions = {}
-    for key in keys:
-        record = context.instance.get_latest_data_version_record(key)
-        version = extract_data_version_from_entry(record.event_log_entry) if record else None
-        versions[key.to_user_string()] = version.value if version else "unknown"
-    return versions
+    return {key.to_user_string(): latest_data_version(context.instance, key) for key in keys}
 
 
 class MlflowResource(dg.ConfigurableResource):

@@ -11,7 +11,7 @@ import dagster as dg
 
 from jobs import evaluate_job
 from medgraph.tracking import MODELS
-from platform_assets.evaluation import DATASETS
+from platform_assets.partitions import DATASETS
 from resources import MlflowResource
 
 # Every registered model evaluation loads by alias (the SFT policy plays Graph-R1 while no GRPO policy is champion).

@@ -10,11 +10,11 @@ last observed release.
 """
 
 import dagster as dg
-from dagster._core.definitions.data_version import DATA_VERSION_TAG
 
 from jobs import umls_ingest_job
 from medgraph.umls.release import MissingRrfFileError
 from resources import UmlsReleaseResource
+from resources.mlflow import DAGSTER_DATA_VERSION_TAG
 
 
 @dg.sensor(job=umls_ingest_job, minimum_interval_seconds=300, default_status=dg.DefaultSensorStatus.STOPPED,
@@ -27,7 +27,7 @@ def umls_release_sensor(context: dg.SensorEvaluationContext, release: UmlsReleas
     if fingerprint == context.cursor:
         return dg.SensorResult(skip_reason=f"release at {path} unchanged ({fingerprint})")
     context.log.info(f"release at {path}: fingerprint {context.cursor or 'none'} -> {fingerprint}")
-    observation = dg.AssetObservation(asset_key="umls_release", tags={DATA_VERSION_TAG: fingerprint},
+    observation = dg.AssetObservation(asset_key="umls_release", tags={DAGSTER_DATA_VERSION_TAG: fingerprint},
                                       metadata={"path": dg.MetadataValue.path(path), "fingerprint": fingerprint,
                                                 "profile": release.profile})
     return dg.SensorResult(

@@ -196,7 +196,7 @@ def test_make_demo_runs_everything_in_one_launch_whose_config_is_valid():
 
     from dagster_shared.yaml_utils import load_yaml_from_glob_list
 
-    from platform_assets.evaluation import DATASETS
+    from platform_assets.partitions import DATASETS
 
     root = Path(definitions.__file__).parent
     launch = re.search(r"dg launch -m definitions --assets '([^']+)' --partition \$\(firstword [^)]+\)\) \\\n"

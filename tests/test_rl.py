@@ -528,9 +528,9 @@ def test_evaluation_picks_the_grpo_champion_else_the_sft_champion_else_the_base_
     skipped = choose_policy("graph-r1-sft-only", tracking)
     assert skipped.description.startswith(f"skipped: no {GRAPH_R1_SFT_MODEL.name}@champion") and skipped.model_uri is None
     assert load_chosen_policy(choose_policy("graph-r1-no-sft", tracking), tracking) is None  # the base LLM plays
-    from platform_assets.evaluation import _load_policy
+    from medgraph.eval.families import load_policies
 
-    chosen, environment = _load_policy(["cot", "graph-r1", "graph-r1-sft-only"], tracking)  # as eval assets
+    chosen, environment = load_policies(["cot", "graph-r1", "graph-r1-sft-only"], tracking)  # as eval assets
     assert {m: (c.source, model) for m, (c, model) in chosen.items()} == {"graph-r1": ("base", None),
                                                                          "graph-r1-sft-only": (None, None)}
     assert environment == {}  # no trained policy: the method's own environment

@@ -55,7 +55,7 @@ def register_gat(tracking, auc: float) -> str:
 
 
 def test_champion_sensor_requests_evaluations_only_when_an_alias_moves(mlflow_db: Path, tmp_path: Path):
-    from platform_assets.evaluation import DATASETS
+    from platform_assets.partitions import DATASETS
     from resources import MlflowResource
     from sensors.registry import champion_sensor
 
