@@ -41,10 +41,11 @@ from medgraph.rl.reader import (
     reading_accuracy,
     train_reader_adapter,
 )
-from medgraph.settings import load_settings, redact_uri
+from medgraph.settings import redact_uri
 from medgraph.tracking import GAT_MODEL, HIIM_PROJECTOR_MODEL, READER_ADAPTER_MODEL, checkpoint_dir
 from platform_assets.automation import gpu_model_asset
 from resources import EncoderResource, LlmResource, MlflowResource, WarehouseResource
+from resources.training import TrainingResource
 
 GAT_INPUTS = [dg.AssetKey(["kg", "kg_edges"]), dg.AssetKey(["embeddings", FEATURE_TABLE]),
               dg.AssetKey("umls_release")]
@@ -52,7 +53,7 @@ GAT_INPUTS = [dg.AssetKey(["kg", "kg_edges"]), dg.AssetKey(["embeddings", FEATUR
 
 class GatTrainingConfig(dg.Config):
     profile: str | None = None
-    """tiny | demo | full (default: MEDGRAPH_PROFILE): model size, batch size, steps (GatConfig.profile)."""
+    """tiny | demo | full (default: the `training` resource's, MEDGRAPH_PROFILE): model size, batch size, steps (GatConfig.profile)."""
     epochs: int | None = None
     steps_per_epoch: int | None = None
     seed: int | None = None
@@ -61,21 +62,21 @@ class GatTrainingConfig(dg.Config):
     resume: bool = True
     """Continue from the checkpoint an interrupted run with the same inputs and settings left behind."""
 
-    def gat_config(self) -> GatConfig:
+    def gat_config(self, default_profile: str) -> GatConfig:
         overrides = {name: value for name, value in
                      {"epochs": self.epochs, "steps_per_epoch": self.steps_per_epoch, "seed": self.seed}.items()
                      if value is not None}
-        return GatConfig.profile(self.profile or load_settings().profile, device=self.device, progress=True,
+        return GatConfig.profile(self.profile or default_profile, device=self.device, progress=True,
                                  **overrides)
 
 
 @gpu_model_asset("gat_model", GAT_INPUTS, code_version="1")
 def gat_model(context: dg.AssetExecutionContext, config: GatTrainingConfig, warehouse: WarehouseResource,
-              mlflow_tracking: MlflowResource) -> dg.MaterializeResult:
+              mlflow_tracking: MlflowResource, training: TrainingResource) -> dg.MaterializeResult:
     """A 2-layer GAT pretrained by triple classification on `kg.kg_edges` (relation-free node
     descriptions as features), registered as MLflow model `medgraph-gat`; `champion` moves only on a
     better validation ROC-AUC than the champion's or, with none, than the same GAT untrained."""
-    gat_config = config.gat_config()
+    gat_config = config.gat_config(training.profile)
     store = warehouse.get_warehouse()
     tracking = mlflow_tracking.tracking()
     with mlflow_tracking.start_asset_run(context, GAT_INPUTS) as run:
@@ -111,7 +112,7 @@ PROJECTOR_INPUTS = [dg.AssetKey(["models", "gat_model"]), dg.AssetKey(["qa", "qa
 
 class ProjectorTrainingConfig(dg.Config):
     profile: str | None = None
-    """tiny | demo | full (default: MEDGRAPH_PROFILE): steps, batch size, training and validation questions."""
+    """tiny | demo | full (default: the `training` resource's, MEDGRAPH_PROFILE): steps, batch size, training and validation questions."""
     steps: int | None = None
     batch_size: int | None = None
     train_items: int | None = None
@@ -121,22 +122,23 @@ class ProjectorTrainingConfig(dg.Config):
     distractors (an experiment: its gate then does not measure HIIM inside A2RAG)."""
     seed: int = 0
 
-    def projector_config(self) -> ProjectorConfig:
+    def projector_config(self, default_profile: str) -> ProjectorConfig:
         overrides = {name: value for name, value in {"steps": self.steps, "batch_size": self.batch_size,
                                                      "train_items": self.train_items,
                                                      "valid_items": self.valid_items}.items() if value is not None}
-        return ProjectorConfig.profile(self.profile or load_settings().profile, seed=self.seed, progress=True,
+        return ProjectorConfig.profile(self.profile or default_profile, seed=self.seed, progress=True,
                                        graph_triples=self.graph_triples, **overrides)
 
 
 @gpu_model_asset("hiim_projector", PROJECTOR_INPUTS, code_version="2")
 def hiim_projector(context: dg.AssetExecutionContext, config: ProjectorTrainingConfig, warehouse: WarehouseResource,
-                   encoder: EncoderResource, mlflow_tracking: MlflowResource, llm: LlmResource) -> dg.MaterializeResult:
+                   encoder: EncoderResource, mlflow_tracking: MlflowResource, llm: LlmResource,
+                   training: TrainingResource) -> dg.MaterializeResult:
     """HIIM's W_proj: champion-GAT triple vectors -> the LLM's input-embedding space, trained (LLM frozen) on
     the answer likelihood of `qa_items` (train split) under A2RAG's answer prompt with GSRM's triples;
     registered as `medgraph-hiim-projector`, `champion` moving only on a lower validation answer NLL than
     the champion's or, with none, than A2RAG's text-only answer on the same triples."""
-    projector_config = config.projector_config()
+    projector_config = config.projector_config(training.profile)
     store, tracking = warehouse.get_warehouse(), mlflow_tracking.tracking()
     gat_version = tracking.champion_version(GAT_MODEL.name)
     if gat_version is None:
@@ -170,7 +172,7 @@ READER_INPUTS = [dg.AssetKey(["qa", "qa_items"]), dg.AssetKey(["kg", "kg_edges"]
 
 class ReaderAdapterConfig(dg.Config):
     profile: str | None = None
-    """tiny | demo | full (default: MEDGRAPH_PROFILE): steps, batch size, LoRA, validation questions."""
+    """tiny | demo | full (default: the `training` resource's, MEDGRAPH_PROFILE): steps, batch size, LoRA, validation questions."""
     steps: int | None = None
     lr: float | None = None
     valid_items: int | None = None
@@ -180,8 +182,8 @@ class ReaderAdapterConfig(dg.Config):
     seed: int = 0
     device: str = "auto"
 
-    def reader_config(self) -> ReaderConfig:
-        config = ReaderConfig.profile(self.profile or load_settings().profile, seed=self.seed,
+    def reader_config(self, default_profile: str) -> ReaderConfig:
+        config = ReaderConfig.profile(self.profile or default_profile, seed=self.seed,
                                       **{k: v for k, v in (("valid_items", self.valid_items),
                                                            ("gold_share", self.gold_share)) if v is not None})
         return config.but(seed=self.seed, device=self.device,
@@ -190,14 +192,15 @@ class ReaderAdapterConfig(dg.Config):
 
 @gpu_model_asset("reader_adapter", READER_INPUTS, code_version="1")
 def reader_adapter(context: dg.AssetExecutionContext, config: ReaderAdapterConfig, warehouse: WarehouseResource,
-                   encoder: EncoderResource, llm: LlmResource, mlflow_tracking: MlflowResource) -> dg.MaterializeResult:
+                   encoder: EncoderResource, llm: LlmResource, mlflow_tracking: MlflowResource,
+                   training: TrainingResource) -> dg.MaterializeResult:
     """A LoRA adapter of the base LLM that reads KG evidence (RAFT-style, `medgraph.rl.reader`): trained on the
     train split's questions with their gold facts among distractors (withheld in a share), never a fact joining
     a validation or test question's concepts; registered merged as `medgraph-reader-adapter`, `champion` moving
     only when its validation accuracy with the gold facts shown (`oracle-evidence`) beats the champion's or, with
     none, the base reader's, while its accuracy without evidence (`cot`) stays within 0.10 of the base reader's.
     Evaluation runs `reader: adapted` rows with the champion."""
-    reader_config = config.reader_config()
+    reader_config = config.reader_config(training.profile)
     store, base, tracking = warehouse.get_warehouse(), llm.load(), mlflow_tracking.tracking()
     if not isinstance(base, TransformersChatModel):
         raise dg.Failure(f"the reader adapter trains an in-process transformers model (MEDGRAPH_LLM = a built-in "

@@ -37,11 +37,11 @@ from medgraph.rl.policy import (
 )
 from medgraph.rl.rollout import validation_key
 from medgraph.rl.sft import SftConfig, expert_demonstrations, train_sft
-from medgraph.settings import load_settings
 from medgraph.storage import Warehouse
 from medgraph.tracking import GRAPH_R1_POLICY_MODEL, GRAPH_R1_SFT_MODEL, Tracking, checkpoint_dir
 from platform_assets.automation import gpu_model_asset
 from resources import EncoderResource, LlmResource, MlflowResource, WarehouseResource
+from resources.training import TrainingResource
 
 SFT_KEY = dg.AssetKey(["models", "graph_r1_sft"])
 # What the environment reads: the graph, node texts, and the BM25 index and node vectors of concept search.
@@ -52,18 +52,18 @@ POLICY_INPUTS = [SFT_KEY, *ENV_INPUTS]
 
 class _TrainingConfig(dg.Config):
     profile: str | None = None
-    """tiny | demo | full (default: MEDGRAPH_PROFILE): steps, sizes, LoRA, environment; any field set below wins."""
+    """tiny | demo | full (default: the `training` resource's, MEDGRAPH_PROFILE): steps, sizes, LoRA, environment; any field set below wins."""
     steps: int | None = None
     valid_items: int | None = None
     lr: float | None = None
     seed: int = 0
     device: str = "auto"
 
-    def _profile_settings(self, config_class, *fields: str):
+    def _profile_settings(self, default_profile: str, config_class, *fields: str):
         """`config_class.profile(...)` with every field of `fields` (and steps, valid_items, lr) that is set."""
         overrides = {name: getattr(self, name) for name in ("steps", "valid_items", "lr", *fields)
                      if getattr(self, name) is not None}
-        return config_class.profile(self.profile or load_settings().profile, seed=self.seed, device=self.device,
+        return config_class.profile(self.profile or default_profile, seed=self.seed, device=self.device,
                                     **overrides)
 
 
@@ -74,8 +74,8 @@ class GraphR1SftConfig(_TrainingConfig):
     """Score the base model on the validation questions too (the 'before' of the report); always done
     while no SFT policy is champion, since the gate then compares with it."""
 
-    def sft_config(self) -> SftConfig:
-        return self._profile_settings(SftConfig, "train_items")
+    def sft_config(self, default_profile: str) -> SftConfig:
+        return self._profile_settings(default_profile, SftConfig, "train_items")
 
 
 def _prefixed(metrics: dict[str, float], prefix: str) -> dict[str, float]:
@@ -100,12 +100,13 @@ def _base_model(llm: LlmResource) -> TransformersChatModel:
 
 @gpu_model_asset("graph_r1_sft", ENV_INPUTS, code_version="1")
 def graph_r1_sft(context: dg.AssetExecutionContext, config: GraphR1SftConfig, warehouse: WarehouseResource,
-                 encoder: EncoderResource, llm: LlmResource, mlflow_tracking: MlflowResource) -> dg.MaterializeResult:
+                 encoder: EncoderResource, llm: LlmResource, mlflow_tracking: MlflowResource,
+                 training: TrainingResource) -> dg.MaterializeResult:
     """Cold start: the base LLM fine-tuned on expert episodes that walk each training question's gold
     path through the real environment (observations masked out of the loss); validation reward and
     accuracy of the base model and of the SFT policy; registered as `medgraph-graph-r1-sft`, gated
     against the champion or, with none, the base model."""
-    sft_config = config.sft_config()
+    sft_config = config.sft_config(training.profile)
     store, base, tracking = warehouse.get_warehouse(), _base_model(llm), mlflow_tracking.tracking()
     evaluate_base = config.evaluate_base or tracking.champion_version(GRAPH_R1_SFT_MODEL.name) is None
     out = warehouse.layout.checkpoints("graph_r1_sft") / context.run.run_id
@@ -153,8 +154,8 @@ class GraphR1PolicyConfig(_TrainingConfig):
     resume: bool = True
     """Continue from the checkpoint an interrupted run with the same inputs and settings left behind."""
 
-    def grpo_config(self) -> GrpoConfig:
-        return self._profile_settings(GrpoConfig, "questions_per_step", "group_size", "beta", "eval_every",
+    def grpo_config(self, default_profile: str) -> GrpoConfig:
+        return self._profile_settings(default_profile, GrpoConfig, "questions_per_step", "group_size", "beta", "eval_every",
                                       "reward_variant", "rollout_server")
 
 
@@ -172,11 +173,12 @@ def _sft_start_uri(context: dg.AssetExecutionContext, tracking: Tracking) -> str
 
 @gpu_model_asset("graph_r1_policy", POLICY_INPUTS, code_version="1")
 def graph_r1_policy(context: dg.AssetExecutionContext, config: GraphR1PolicyConfig, warehouse: WarehouseResource,
-                    encoder: EncoderResource, mlflow_tracking: MlflowResource) -> dg.MaterializeResult:
+                    encoder: EncoderResource, mlflow_tracking: MlflowResource,
+                    training: TrainingResource) -> dg.MaterializeResult:
     """GRPO from the cold-start policy on the train split (G episodes per question, observation tokens
     masked, KL to the SFT policy), validated every N steps; registered as `medgraph-graph-r1-policy`,
     `champion` moving only when it beats the champion or, with none, its SFT start (GRAPH_R1_POLICY_MODEL.gate)."""
-    grpo_config = config.grpo_config()
+    grpo_config = config.grpo_config(training.profile)
     store, tracking = warehouse.get_warehouse(), mlflow_tracking.tracking()
     sft_uri = _sft_start_uri(context, tracking)
     with Retriever(store, encoder.load()) as retriever, mlflow_tracking.start_asset_run(context, POLICY_INPUTS) as run:

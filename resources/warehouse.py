@@ -108,6 +108,7 @@ def build_resources(settings: Settings | None = None) -> dict[str, dg.Configurab
     from resources.encoder import EncoderResource
     from resources.llm import LlmResource
     from resources.mlflow import MlflowResource
+    from resources.training import TrainingResource
 
     return {
         "warehouse": WarehouseResource(home=home, lake=settings.lake or None, s3=s3,
@@ -118,4 +119,5 @@ def build_resources(settings: Settings | None = None) -> dict[str, dg.Configurab
         "encoder": EncoderResource(spec=settings.encoder),
         "mlflow_tracking": MlflowResource.from_settings(settings),
         "llm": LlmResource(spec=settings.llm, home=home),
+        "training": TrainingResource(profile=settings.profile),
     }

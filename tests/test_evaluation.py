@@ -15,7 +15,7 @@ from medgraph.qa.generate import generate_qa_items
 from medgraph.qa.item import QaItem
 from medgraph.storage import Warehouse
 from platform_assets.evaluation import eval_assets, evaluation_report, qa_benchmark
-from resources import EncoderResource, LlmResource, MlflowResource, WarehouseResource
+from resources import EncoderResource, LlmResource, MlflowResource, TrainingResource, WarehouseResource
 
 
 def test_summaries_count_parse_failures_as_wrong_with_binomial_error():
@@ -43,7 +43,8 @@ def resources(eval_home: Path, smollm2, encoder, mlflow_db: Path) -> dict[str, d
     encoder_resource._encoder = encoder
     return {"warehouse": WarehouseResource(home=str(eval_home)), "llm": llm, "encoder": encoder_resource,
             "mlflow_tracking": MlflowResource(tracking_uri=f"sqlite:///{mlflow_db}",
-                                              artifact_root=str(eval_home / "artifacts"))}
+                                              artifact_root=str(eval_home / "artifacts")),
+            "training": TrainingResource(profile="tiny")}
 
 
 def test_a_dataset_partition_is_evaluated_into_tables_metadata_and_mlflow(eval_home: Path, resources: dict):

@@ -32,7 +32,7 @@ from medgraph.rl.hiim import ProjectorConfig, ProjectorResult, answer_nll, load_
 from medgraph.storage import Warehouse
 from medgraph.tracking import GAT_MODEL, HIIM_PROJECTOR_MODEL
 from platform_assets.models import gat_model, hiim_projector
-from resources import EncoderResource, LlmResource, MlflowResource, WarehouseResource
+from resources import EncoderResource, LlmResource, MlflowResource, TrainingResource, WarehouseResource
 
 CONFIG = ProjectorConfig.profile("tiny", steps=2, batch_size=2, valid_items=4, eval_every=2)
 
@@ -122,7 +122,8 @@ def test_projector_must_beat_a2rags_text_only_answer_then_the_champion(qa_wareho
     encoder_resource._encoder = encoder
     resources = {"warehouse": WarehouseResource(home=str(home)), "llm": llm, "encoder": encoder_resource,
                  "mlflow_tracking": MlflowResource(tracking_uri=f"sqlite:///{mlflow_db}",
-                                                   artifact_root=str(tmp_path / "artifacts"))}
+                                                   artifact_root=str(tmp_path / "artifacts")),
+                 "training": TrainingResource(profile="tiny")}
     instance = dg.DagsterInstance.ephemeral()
     with pytest.raises(dg.Failure, match="materialize models/gat_model first"):
         dg.materialize([hiim_projector], resources=resources, instance=instance)

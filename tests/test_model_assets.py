@@ -14,7 +14,7 @@ from medgraph.gnn.model import GatModel
 from medgraph.storage import Warehouse
 from medgraph.tracking import GAT_MODEL
 from platform_assets.models import gat_model
-from resources import MlflowResource, WarehouseResource
+from resources import MlflowResource, TrainingResource, WarehouseResource
 
 
 @pytest.fixture
@@ -27,7 +27,8 @@ def home(gat_warehouse: Warehouse, tmp_path: Path) -> Path:
 def resources(home: Path, mlflow_db: Path) -> dict[str, dg.ConfigurableResource]:
     return {"warehouse": WarehouseResource(home=str(home)),
             "mlflow_tracking": MlflowResource(tracking_uri=f"sqlite:///{mlflow_db}",
-                                              artifact_root=str(home / "artifacts"))}
+                                              artifact_root=str(home / "artifacts")),
+            "training": TrainingResource(profile="tiny")}
 
 
 def train(resources: dict, instance: dg.DagsterInstance, **config: object) -> dict[str, dg.MetadataValue]:

@@ -77,7 +77,7 @@ from medgraph.rl.sft import SftConfig, expert_demonstrations, train_sft
 from medgraph.storage import Warehouse
 from medgraph.tracking import GRAPH_R1_POLICY_MODEL, GRAPH_R1_SFT_MODEL, Tracking
 from platform_assets.policy import graph_r1_policy, graph_r1_sft
-from resources import EncoderResource, LlmResource, MlflowResource, WarehouseResource
+from resources import EncoderResource, LlmResource, MlflowResource, TrainingResource, WarehouseResource
 
 HYPERTENSION = "C0020538"
 TREAT = QaItem("test", "treat", "Which of the following may treat Hypertension?",
@@ -559,7 +559,8 @@ def test_policy_assets_train_register_and_load_the_champion(qa_warehouse: Wareho
     resources = {"warehouse": WarehouseResource(home=str(home)), "encoder": EncoderResource(max_length=128),
                  # The session's converted checkpoint as a local model directory: no second GGUF conversion.
                  "llm": LlmResource(spec=str(smollm2.model_dir), home=str(tmp_path), device="cpu"),
-                 "mlflow_tracking": MlflowResource(tracking_uri=tracking_uri, artifact_root=str(tmp_path / "art"))}
+                 "mlflow_tracking": MlflowResource(tracking_uri=tracking_uri, artifact_root=str(tmp_path / "art")),
+                 "training": TrainingResource(profile="tiny")}
     assert load_champion_policy(resources["mlflow_tracking"].tracking()) is None
     instance = dg.DagsterInstance.ephemeral()
     with pytest.raises(dg.Failure, match="materialize models/graph_r1_sft first"):
