@@ -33,6 +33,8 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--lora-layers", type=int, default=None, help="adapt only the top N blocks (default: all)")
     parser.add_argument("--gold-share", type=float, default=0.8)
+    parser.add_argument("--layouts", default="kg_facts:0.4,a2rag:0.3,documents:0.3",
+                        help="answering-call layouts of the examples and their weights (medgraph.rl.reader.LAYOUTS)")
     parser.add_argument("--valid", type=int, default=48, help="validation questions per dataset")
     parser.add_argument("--datasets", default="kgqa_mc", help="validation datasets (comma-separated)")
     parser.add_argument("--methods", default="oracle-evidence,cot")
@@ -54,7 +56,8 @@ def main() -> None:
     from medgraph.storage import Lake, Warehouse
 
     warehouse = Warehouse(args.home / "warehouse.duckdb", Lake(args.home / "lake"))
-    config = ReaderConfig(gold_share=args.gold_share, seed=args.seed)
+    layouts = tuple((name, float(weight)) for name, weight in (part.split(":") for part in args.layouts.split(",")))
+    config = ReaderConfig(gold_share=args.gold_share, layouts=layouts, seed=args.seed)
     config = replace(config, fit=replace(config.fit, steps=args.steps, batch_size=args.batch_size, lr=args.lr,
                                          lora_layers=args.lora_layers, seed=args.seed, progress=True))
     train = load_qa_items(warehouse, "train")
@@ -67,8 +70,10 @@ def main() -> None:
         tools = KnowledgeTools(retriever)
         examples, counts = reader_examples(retriever.graph, train, config, held_out)
         print(f"{len(examples)} reader examples from {len(train)} train questions: {dict(counts)}", flush=True)
-        print("e.g.", examples[0].conversation[-2].content[-400:], "\n->", examples[0].conversation[-1].content,
-              flush=True)
+        for layout in dict.fromkeys(e.layout for e in examples):
+            example = next(e for e in examples if e.layout == layout)
+            print(f"e.g. ({layout})", example.conversation[-2].content[-500:], "\n->", example.conversation[-1].content,
+                  flush=True)
         base = load_llm(args.llm, home=args.home)
         started = time.perf_counter()
         adapted = train_reader_adapter(builtin_model_dir(args.llm, args.home), examples, config, held_out,

@@ -179,23 +179,29 @@ class ReaderAdapterConfig(dg.Config):
     """Validation questions of the gate (the first N of `valid_dataset` in qid order)."""
     gold_share: float | None = None
     """Share of the multiple-choice examples that show their gold facts (RAFT's P); the rest withhold them."""
+    layouts: dict[str, float] | None = None
+    """Answering-call layouts of the examples and their weights, e.g. {kg_facts: 0.4, a2rag: 0.3, documents: 0.3}
+    (the default); names as `medgraph.rl.reader.LAYOUTS`."""
     seed: int = 0
     device: str = "auto"
 
     def reader_config(self, default_profile: str) -> ReaderConfig:
         config = ReaderConfig.profile(self.profile or default_profile, seed=self.seed,
                                       **{k: v for k, v in (("valid_items", self.valid_items),
-                                                           ("gold_share", self.gold_share)) if v is not None})
+                                                           ("gold_share", self.gold_share),
+                                                           ("layouts", self.layouts and tuple(self.layouts.items())))
+                                         if v is not None})
         return config.but(seed=self.seed, device=self.device,
                           **{k: v for k, v in (("steps", self.steps), ("lr", self.lr)) if v is not None})
 
 
-@gpu_model_asset("reader_adapter", READER_INPUTS, code_version="1")
+@gpu_model_asset("reader_adapter", READER_INPUTS, code_version="2")
 def reader_adapter(context: dg.AssetExecutionContext, config: ReaderAdapterConfig, warehouse: WarehouseResource,
                    encoder: EncoderResource, llm: LlmResource, mlflow_tracking: MlflowResource,
                    training: TrainingResource) -> dg.MaterializeResult:
     """A LoRA adapter of the base LLM that reads KG evidence (RAFT-style, `medgraph.rl.reader`): trained on the
-    train split's questions with their gold facts among distractors (withheld in a share), never a fact joining
+    train split's questions with their gold facts among distractors (withheld in a share), in the answering-call
+    layouts of oracle-evidence / rag-kg, A2RAG and MedRAG (facts as concept texts), never a fact joining
     a validation or test question's concepts; registered merged as `medgraph-reader-adapter`, `champion` moving
     only when its validation accuracy with the gold facts shown (`oracle-evidence`) beats the champion's or, with
     none, the base reader's, while its accuracy without evidence (`cot`) stays within 0.10 of the base reader's.

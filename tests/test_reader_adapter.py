@@ -12,6 +12,7 @@ from medgraph.kg.graph import KnowledgeGraph, Triple
 from medgraph.qa.item import QaItem
 from medgraph.rl.reader import (
     NOT_FOUND,
+    NOT_FOUND_DOCUMENTS,
     ReaderConfig,
     ReaderExample,
     check_no_leak,
@@ -25,6 +26,7 @@ from medgraph.storage import Warehouse
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 HYPERTENSION = "C0020538"
+KG_FACTS = (("kg_facts", 1.0),)
 
 
 @pytest.fixture(scope="module")
@@ -53,8 +55,8 @@ def facts_shown(example: ReaderExample) -> str:
 
 def test_examples_cite_the_gold_fact_among_distractors_or_withhold_it(graph: KnowledgeGraph):
     item, gold, _ = mc_item(graph)
-    (shown,), counts = reader_examples(graph, [item], ReaderConfig(gold_share=1.0), frozenset())
-    assert shown.gold_shown and counts["gold_shown"] == 1
+    (shown,), counts = reader_examples(graph, [item], ReaderConfig(gold_share=1.0, layouts=KG_FACTS), frozenset())
+    assert shown.gold_shown and counts["gold_shown"] == 1 and counts["layout_kg_facts"] == 1
     assert [m.role for m in shown.conversation] == ["system", "user", "assistant"]
     lines = facts_shown(shown).splitlines()
     number = next(line.split(".")[0] for line in lines if line.endswith(gold.text))
@@ -62,14 +64,56 @@ def test_examples_cite_the_gold_fact_among_distractors_or_withhold_it(graph: Kno
                                              "The answer is answer, option A. <answer>A</answer>")
     assert len(lines) > 2  # the heading, the gold fact and at least one distractor
 
-    (withheld,), counts = reader_examples(graph, [item], ReaderConfig(gold_share=0.0), frozenset())
+    (withheld,), counts = reader_examples(graph, [item], ReaderConfig(gold_share=0.0, layouts=KG_FACTS), frozenset())
     assert not withheld.gold_shown and counts["gold_withheld"] == 1
     assert gold.text not in facts_shown(withheld) and withheld.conversation[2].content == NOT_FOUND
     assert "<answer>" not in withheld.conversation[2].content  # names no option: nothing to memorise
 
 
-def test_a_yes_no_item_always_shows_its_fact(graph: KnowledgeGraph):
+def test_the_a2rag_layout_asks_first_and_cites_the_same_fact(graph: KnowledgeGraph):
+    """A2RAG's answering call puts the question before "Knowledge graph facts:" (`answer_conversation`)."""
     item, gold, _ = mc_item(graph)
+    (example,), _ = reader_examples(graph, [item], ReaderConfig(gold_share=1.0, layouts=(("a2rag", 1.0),)),
+                                    frozenset())
+    prompt = example.conversation[1].content
+    assert example.layout == "a2rag" and prompt.index("Question:") < prompt.index("Knowledge graph facts:")
+    number = next(line.split(".")[0] for line in prompt.splitlines() if line.endswith(gold.text))
+    assert example.conversation[2].content.startswith(f"Fact {number} states that {gold.text}.")
+
+
+def test_the_documents_layout_shows_concept_texts_and_cites_the_document(graph: KnowledgeGraph):
+    """MedRAG's layout with the facts as `kg_node_text` writes them: the subject's document lists "<relation>
+    <object>", the other options' concepts are described without relations, and the citation names the document."""
+    item, gold, others = mc_item(graph)
+    config = ReaderConfig(gold_share=1.0, layouts=(("documents", 1.0),))
+    (example,), counts = reader_examples(graph, [item], config, frozenset())
+    prompt = example.conversation[1].content
+    assert counts["layout_documents"] == 1 and prompt.startswith("Here are the relevant documents:\n[1] ")
+    documents = prompt.split("Question:")[0].strip().splitlines()[1:]
+    phrase = f"{gold.relation.replace('_', ' ')} {gold.dst_name}"
+    (stating,) = [line for line in documents if phrase in line.split("Relations:", 1)[-1]]
+    assert stating.startswith(f"[{stating[1]}] {gold.src_name}.")
+    assert example.conversation[2].content.startswith(f"Document {stating[1]} states that {gold.text}.")
+    assert len(documents) >= 1 + len(others)  # each wrong option's concept has its own description
+    assert example.pairs <= {frozenset((t.src_cui, t.dst_cui)) for t in graph.one_hop([HYPERTENSION])}
+    (withheld,), _ = reader_examples(graph, [item], replace(config, gold_share=0.0), frozenset())
+    assert phrase not in withheld.conversation[1].content.split("Question:")[0]
+    assert withheld.conversation[2].content == NOT_FOUND_DOCUMENTS
+
+
+def test_layouts_are_drawn_apart_from_the_withholding(graph: KnowledgeGraph):
+    """Changing the layouts changes no example's gold-shown draw: the layouts have their own random stream."""
+    items = [mc_item(graph, f"q{i}")[0] for i in range(20)]
+    mixed, counts = reader_examples(graph, items, ReaderConfig(gold_share=0.5), frozenset())
+    alone, _ = reader_examples(graph, items, ReaderConfig(gold_share=0.5, layouts=KG_FACTS), frozenset())
+    assert [e.gold_shown for e in mixed] == [e.gold_shown for e in alone]
+    assert {k for k in counts if k.startswith("layout_")} == {"layout_kg_facts", "layout_a2rag", "layout_documents"}
+    with pytest.raises(ValueError, match="reader layouts"):
+        ReaderConfig(layouts=(("passages", 1.0),))
+
+
+def test_a_yes_no_item_always_shows_its_fact(graph: KnowledgeGraph):
+    item, _, _ = mc_item(graph)
     yes_no = replace(item, options={"A": "yes", "B": "no"}, extra={**item.extra, "option_cuis": []})
     (example,), _ = reader_examples(graph, [yes_no], ReaderConfig(gold_share=0.0), frozenset())
     assert example.gold_shown and example.conversation[2].content.endswith("The answer is yes, option A. <answer>A</answer>")
@@ -142,10 +186,12 @@ def test_a_long_two_hop_citation_quotes_only_the_fact_that_names_the_answer():
     item = QaItem("kgqa_mc", "q", "Which disease shares a manifestation with ...?",
                   {"A": "x", "B": "Ebstein anomaly of the tricuspid valve", "C": "y", "D": "z"}, "B",
                   extra={"answer_cuis": ["C9"]})
-    target = _citing_target(item, facts, [1, 2])
+    target = _citing_target(item, [(1, facts[0]), (2, facts[1])])
     full = f"Facts 1 and 2 state that {facts[0].text}; and that {facts[1].text}."
     assert len(full) > TARGET_CHARS and len(target) < len(full)
     assert target.startswith("Facts 1 and 2; fact 2 states that Ebstein anomaly")
     assert target.endswith("option B. <answer>B</answer>")
     short = [Triple("e1", "C1", "X", "r", "C2", "Y"), Triple("e2", "C9", "Z", "r", "C2", "Y")]
-    assert _citing_target(item, short, [1, 2]).startswith("Facts 1 and 2 state that X r Y; and that Z r Y.")
+    assert _citing_target(item, [(1, short[0]), (2, short[1])]).startswith("Facts 1 and 2 state that X r Y; and that Z r Y.")
+    # Two facts in one document: the document is named once.
+    assert _citing_target(item, [(3, short[0]), (3, short[1])], "Document").startswith("Document 3 states that X r Y;")

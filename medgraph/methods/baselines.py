@@ -137,8 +137,7 @@ class MedRag:
             sections.append("Here are relevant knowledge graph facts:\n" + format_triples(triples))
             evidence.add_triples(triples)
         if passages:  # MedRAG's order: the documents, then the question
-            sections.append("Here are the relevant documents:\n" + format_passages(
-                [(p.title, p.text) for p in passages], max_chars=self.config.passage_chars))
+            sections.append(documents_section([(p.title, p.text) for p in passages], self.config.passage_chars))
             evidence.add_chunks([p.chunk_id for p in passages], self.config.passage_chars)
         steps[0].observation = "\n\n".join(sections)
         sections += [format_question(item), answer_instruction(item)]
@@ -198,6 +197,11 @@ class OracleEvidence:
 
     def retrieve(self, items: list[QaItem]) -> list[list[Triple]]:
         return oracle_triples(self.tools.retriever.graph, items, self.config.max_wrong)
+
+
+def documents_section(documents: Sequence[tuple[str, str]], passage_chars: int = PASSAGE_CHARS) -> str:
+    """Numbered (title, text) documents under MedRAG's heading, as `rag` and `rag-kg` show their snippets."""
+    return "Here are the relevant documents:\n" + format_passages(documents, max_chars=passage_chars)
 
 
 def kg_facts_section(triples: Sequence[Triple]) -> str:

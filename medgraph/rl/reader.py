@@ -2,16 +2,24 @@
 
 RAFT (Zhang et al. 2024, "RAFT: Adapting Language Model to Domain Specific RAG") fine-tunes the reader on
 questions whose context mixes the gold document with distractors, and for a share of the questions holds
-only distractors, with an answer that cites the evidence. Here a document is a KG fact, laid out as the
-methods show facts (`oracle-evidence` / `rag-kg`: "Here are relevant knowledge graph facts:" and numbered
-triples, `methods.baselines.kg_facts_prompt`); the distractors are the same concepts' triples under other
-relations (for multiple choice, the question concept's links to the wrong options:
-`methods.baselines.oracle_triples`); and every example comes from the TRAIN split.
+only distractors, with an answer that cites the evidence. Here the evidence is a question's gold KG facts among
+the same concepts' triples under other relations (for multiple choice, the question concept's links to the wrong
+options: `methods.baselines.oracle_triples`), every example from the TRAIN split, shown in one of the layouts the
+methods' answering calls use (`LAYOUTS`, drawn per example):
+
+    kg_facts    `oracle-evidence` / `rag-kg`: "Here are relevant knowledge graph facts:", numbered triples, then
+                the question (`methods.baselines.kg_facts_prompt`); cited as "Fact 3"
+    a2rag       A2RAG's T_Final prompt: the question first, then "Knowledge graph facts:"
+                (`methods.a2rag.answer_conversation`); cited as "Fact 3"
+    documents   MedRAG's "Here are the relevant documents:" with concept texts as `kg.kg_node_text` writes them
+                ("amlodipine. Semantic type: ... Relations: may treat Hypertension; ..."): the facts grouped by
+                their subject, and the other options' concepts described without relations; cited as "Document 2"
 
     gold shown     "Fact 3 states that amlodipine may treat Hypertension. The answer is amlodipine, option A.
                     <answer>A</answer>"
     a "no" item    "No fact states that. The answer is no, option B. <answer>B</answer>"  (absent by design)
-    gold withheld  "None of the facts answers the question."         (multiple choice only; no answer tag)
+    gold withheld  "None of the facts answers the question."         (multiple choice only; no answer tag;
+                                                                      "documents" in the documents layout)
 
 Where we depart from RAFT: a withheld example's target names no option. RAFT keeps the correct answer there,
 which trains the reader to answer from memory; on a KG-derived benchmark that is memorising the KG, which the
@@ -31,9 +39,11 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
-from medgraph.kg.graph import KnowledgeGraph, Triple
-from medgraph.llm.base import ChatModel, Conversation, assistant
-from medgraph.methods.baselines import kg_facts_prompt, oracle_triples, stated_keys
+from medgraph.kg.graph import KnowledgeGraph, Node, Triple
+from medgraph.llm.base import ChatModel, Conversation, assistant, system, user
+from medgraph.methods.a2rag import answer_conversation
+from medgraph.methods.baselines import EXPERT, documents_section, kg_facts_prompt, oracle_triples, stated_keys
+from medgraph.methods.common import answer_instruction, format_question
 from medgraph.methods.registry import run_method
 from medgraph.methods.tools import KnowledgeTools
 from medgraph.qa.item import QaItem, gold_edge_ids, gold_facts, gold_pairs
@@ -46,6 +56,11 @@ from medgraph.tracking import Baseline
 Pair = frozenset[str]
 
 NOT_FOUND = "None of the facts answers the question."
+NOT_FOUND_DOCUMENTS = "None of the documents answers the question."
+
+# The answering-call layouts the examples are drawn from (module doc), and the default share of each.
+LAYOUTS = ("kg_facts", "a2rag", "documents")
+DEFAULT_LAYOUTS = (("kg_facts", 0.4), ("a2rag", 0.3), ("documents", 0.3))
 
 
 @dataclass(frozen=True)
@@ -54,11 +69,18 @@ class ReaderConfig:
 
     gold_share: float = 0.8  # RAFT's P: examples whose gold facts are shown (multiple choice; yes/no always)
     max_wrong: int = 6  # distractor triples per question at most (as `oracle-evidence`)
+    layouts: tuple[tuple[str, float], ...] = DEFAULT_LAYOUTS  # (layout, weight): what share of examples each gets
     fit: SftConfig = field(default_factory=lambda: SftConfig(
         steps=60, batch_size=8, micro_batch_size=4, lr=1e-3, lora_r=16, lora_alpha=32, lora_layers=None))
     valid_dataset: str = "kgqa_mc"  # the gate's questions: the first `valid_items` of this validation dataset
     valid_items: int = 48
     seed: int = 0
+
+    def __post_init__(self) -> None:
+        unknown = sorted({name for name, _ in self.layouts} - set(LAYOUTS))
+        if unknown or not self.layouts or any(weight <= 0 for _, weight in self.layouts):
+            raise ValueError(f"reader layouts must be (name, weight > 0) pairs with names among {LAYOUTS}; "
+                             f"got {self.layouts}")
 
     @classmethod
     def profile(cls, name: str, **overrides: object) -> ReaderConfig:
@@ -71,7 +93,9 @@ class ReaderConfig:
     def as_dict(self) -> dict[str, object]:
         fit = {f"fit_{k}": v for k, v in asdict(self.fit).items()
                if k in ("steps", "batch_size", "micro_batch_size", "lr", "lora_r", "lora_alpha", "lora_layers")}
-        return {"gold_share": self.gold_share, "max_wrong": self.max_wrong, "valid_dataset": self.valid_dataset,
+        return {"gold_share": self.gold_share, "max_wrong": self.max_wrong,
+                "layouts": ",".join(f"{name}:{weight:g}" for name, weight in self.layouts),
+                "valid_dataset": self.valid_dataset,
                 "valid_items": self.valid_items, "seed": self.seed, **fit}
 
 
@@ -89,9 +113,10 @@ READER_PROFILES = {
 @dataclass(frozen=True)
 class ReaderExample:
     qid: str
-    conversation: Conversation  # system, user (facts, question, instruction), assistant (the target)
+    conversation: Conversation  # system, user (evidence, question, instruction), assistant (the target)
     gold_shown: bool
     pairs: frozenset[Pair]  # the concept pairs of every fact shown (what the leakage guard checks)
+    layout: str = "kg_facts"
 
 
 def _pair(triple: Triple) -> Pair:
@@ -126,18 +151,58 @@ def name_the_option(item: QaItem) -> str:
 TARGET_CHARS = 200
 
 
-def _citing_target(item: QaItem, facts: Sequence[Triple], cited: Sequence[int]) -> str:
-    """"Facts 1 and 3 state that <fact 1>; and that <fact 3>. The answer is ..." (1-based fact numbers), with
-    only the facts that touch an answer concept quoted when the whole would not fit the answer budget."""
-    numbers = " and ".join(str(k) for k in cited)
-    lead = f"Fact{'s' if len(cited) > 1 else ''} {numbers} state{'' if len(cited) > 1 else 's'} that "
-    target = f"{lead}{'; and that '.join(facts[k - 1].text for k in cited)}. {name_the_option(item)}"
+def _citing_target(item: QaItem, cited: Sequence[tuple[int, Triple]], unit: str = "Fact") -> str:
+    """"Facts 1 and 3 state that <fact 1>; and that <fact 3>. The answer is ..." (1-based numbers of the facts,
+    or of the documents that state them), with only the facts that touch an answer concept quoted when the whole
+    would not fit the answer budget."""
+    numbers = list(dict.fromkeys(number for number, _ in cited))
+    plural = len(numbers) > 1
+    lead = f"{unit}{'s' if plural else ''} {' and '.join(map(str, numbers))}"
+    target = f"{lead} state{'' if plural else 's'} that {'; and that '.join(t.text for _, t in cited)}. " \
+             f"{name_the_option(item)}"
     answers = set(item.extra.get("answer_cuis") or ())
-    last = [k for k in cited if {facts[k - 1].src_cui, facts[k - 1].dst_cui} & answers]
+    last = [(number, t) for number, t in cited if {t.src_cui, t.dst_cui} & answers]
     if len(target) <= TARGET_CHARS or not last or len(last) == len(cited):
         return target
-    return (f"Fact{'s' if len(cited) > 1 else ''} {numbers}; fact {last[0]} states that {facts[last[0] - 1].text}. "
-            f"{name_the_option(item)}")
+    number, fact = last[0]
+    return f"{lead}; {unit.lower()} {number} states that {fact.text}. {name_the_option(item)}"
+
+
+def concept_texts(facts: Sequence[Triple], described: Sequence[str], nodes: dict[str, Node],
+                  rng: random.Random) -> tuple[list[tuple[str, str]], list[int]]:
+    """The facts as concept texts in `kg.kg_node_text`'s words ("<name>. Semantic type: <types>. Relations:
+    <relation> <object>; ..."), one per subject, plus a description of each concept in `described` that is no
+    subject (the other options' concepts), in a seeded order: the (title, text) documents and, per fact, the
+    1-based number of the document that states it."""
+    subjects = list(dict.fromkeys(t.src_cui for t in facts))
+    concepts = subjects + [c for c in dict.fromkeys(described) if c not in subjects and c in nodes]
+    rng.shuffle(concepts)
+    number = {cui: k for k, cui in enumerate(concepts, start=1)}
+    documents = []
+    for cui in concepts:
+        node = nodes.get(cui)
+        name = node.name if node else next(t.src_name for t in facts if t.src_cui == cui)
+        parts = [f"{name}."]
+        if node and node.semantic_types:
+            parts.append(f"Semantic type: {', '.join(node.semantic_types)}.")
+        relations = [f"{t.relation.replace('_', ' ')} {t.dst_name}" for t in facts if t.src_cui == cui]
+        if relations:
+            parts.append(f"Relations: {'; '.join(relations)}.")
+        documents.append((name, " ".join(parts)))
+    return documents, [number[t.src_cui] for t in facts]
+
+
+def _layout_prompt(layout: str, item: QaItem, facts: Sequence[Triple], nodes: dict[str, Node],
+                   rng: random.Random) -> tuple[Conversation, list[int], str]:
+    """The user turn in `layout` and, per fact, the number it is cited by, and the unit ("Fact", "Document")."""
+    if layout == "kg_facts":
+        return kg_facts_prompt(item, facts), list(range(1, len(facts) + 1)), "Fact"
+    if layout == "a2rag":
+        return answer_conversation(item, facts, []), list(range(1, len(facts) + 1)), "Fact"
+    documents, numbers = concept_texts(facts, item.extra.get("option_cuis") or (), nodes, rng)
+    sections = [documents_section(documents)] if documents else []
+    return [system(EXPERT), user("\n\n".join([*sections, format_question(item), answer_instruction(item)]))], \
+        numbers, "Document"
 
 
 def reader_examples(graph: KnowledgeGraph, items: Sequence[QaItem], config: ReaderConfig,
@@ -145,9 +210,15 @@ def reader_examples(graph: KnowledgeGraph, items: Sequence[QaItem], config: Read
     """RAFT examples from train questions with options (see the module doc), and counts of what was kept,
     withheld, dropped and skipped."""
     rng = random.Random(config.seed)
+    layout_rng = random.Random(f"{config.seed}-layout")  # apart from `rng`: the layouts leave the withholding as it was
+    names, weights = zip(*config.layouts, strict=True)
     stats: Counter[str] = Counter()
     examples = []
-    for item, shown in zip(items, oracle_triples(graph, items, config.max_wrong), strict=True):
+    shown_per_item = oracle_triples(graph, items, config.max_wrong)
+    nodes = graph.nodes({c for item, shown in zip(items, shown_per_item, strict=True)
+                         for c in [*(item.extra.get("option_cuis") or ()), *(t.src_cui for t in shown)]}) \
+        if "documents" in names else {}
+    for item, shown in zip(items, shown_per_item, strict=True):
         if not item.options:
             stats["skipped_no_options"] += 1
             continue
@@ -164,17 +235,22 @@ def reader_examples(graph: KnowledgeGraph, items: Sequence[QaItem], config: Read
             stats["skipped_gold_missing"] += 1  # its fact is not in the graph (or was held out): nothing to cite
             continue
         yes_no = {text.strip().lower() for text in item.options.values()} <= {"yes", "no", "maybe"}
-        if has_gold and not yes_no and rng.random() >= config.gold_share:
+        withhold = has_gold and not yes_no and rng.random() >= config.gold_share
+        if withhold:
             kept = [t for t, gold in zip(kept, is_gold, strict=True) if not gold]
-            target, shown_gold = NOT_FOUND, False
+        layout = layout_rng.choices(names, weights)[0]
+        conversation, numbers, unit = _layout_prompt(layout, item, kept, nodes, layout_rng)
+        if withhold:
+            target = NOT_FOUND if unit == "Fact" else NOT_FOUND_DOCUMENTS
         elif has_gold:
-            cited = [k for k, gold in enumerate(is_gold, start=1) if gold]
-            target, shown_gold = _citing_target(item, kept, cited), True
+            target = _citing_target(item, [(numbers[k], t) for k, (t, gold) in enumerate(zip(kept, is_gold,
+                                                                                            strict=True)) if gold], unit)
         else:  # a "no" question: the fact it asks about is absent by design
-            target, shown_gold = f"No fact states that. {name_the_option(item)}", True
-        stats["gold_shown" if shown_gold else "gold_withheld"] += 1
-        conversation = [*kg_facts_prompt(item, kept), assistant(target)]
-        examples.append(ReaderExample(item.qid, conversation, shown_gold, frozenset(_pair(t) for t in kept)))
+            target = f"No {unit.lower()} states that. {name_the_option(item)}"
+        stats["gold_withheld" if withhold else "gold_shown"] += 1
+        stats[f"layout_{layout}"] += 1
+        examples.append(ReaderExample(item.qid, [*conversation, assistant(target)], not withhold,
+                                      frozenset(_pair(t) for t in kept), layout))
     return examples, stats
 
 
