@@ -55,7 +55,8 @@ def facts_shown(example: ReaderExample) -> str:
 
 def test_examples_cite_the_gold_fact_among_distractors_or_withhold_it(graph: KnowledgeGraph):
     item, gold, _ = mc_item(graph)
-    (shown,), counts = reader_examples(graph, [item], ReaderConfig(gold_share=1.0, layouts=KG_FACTS), frozenset())
+    config = ReaderConfig(gold_share=1.0, layouts=KG_FACTS, citation="number")
+    (shown,), counts = reader_examples(graph, [item], config, frozenset())
     assert shown.gold_shown and counts["gold_shown"] == 1 and counts["layout_kg_facts"] == 1
     assert [m.role for m in shown.conversation] == ["system", "user", "assistant"]
     lines = facts_shown(shown).splitlines()
@@ -73,8 +74,8 @@ def test_examples_cite_the_gold_fact_among_distractors_or_withhold_it(graph: Kno
 def test_the_a2rag_layout_asks_first_and_cites_the_same_fact(graph: KnowledgeGraph):
     """A2RAG's answering call puts the question before "Knowledge graph facts:" (`answer_conversation`)."""
     item, gold, _ = mc_item(graph)
-    (example,), _ = reader_examples(graph, [item], ReaderConfig(gold_share=1.0, layouts=(("a2rag", 1.0),)),
-                                    frozenset())
+    config = ReaderConfig(gold_share=1.0, layouts=(("a2rag", 1.0),), citation="number")
+    (example,), _ = reader_examples(graph, [item], config, frozenset())
     prompt = example.conversation[1].content
     assert example.layout == "a2rag" and prompt.index("Question:") < prompt.index("Knowledge graph facts:")
     number = next(line.split(".")[0] for line in prompt.splitlines() if line.endswith(gold.text))
@@ -85,7 +86,7 @@ def test_the_documents_layout_shows_concept_texts_and_cites_the_document(graph: 
     """MedRAG's layout with the facts as `kg_node_text` writes them: the subject's document lists "<relation>
     <object>", the other options' concepts are described without relations, and the citation names the document."""
     item, gold, others = mc_item(graph)
-    config = ReaderConfig(gold_share=1.0, layouts=(("documents", 1.0),))
+    config = ReaderConfig(gold_share=1.0, layouts=(("documents", 1.0),), citation="number")
     (example,), counts = reader_examples(graph, [item], config, frozenset())
     prompt = example.conversation[1].content
     assert counts["layout_documents"] == 1 and prompt.startswith("Here are the relevant documents:\n[1] ")
@@ -101,11 +102,33 @@ def test_the_documents_layout_shows_concept_texts_and_cites_the_document(graph: 
     assert withheld.conversation[2].content == NOT_FOUND_DOCUMENTS
 
 
+def test_quoted_citations_carry_the_fact_and_no_number(graph: KnowledgeGraph):
+    """RAFT's form: the target quotes the gold fact ("The evidence states that ...") in every layout."""
+    item, gold, _ = mc_item(graph)
+    for layout in ("kg_facts", "a2rag", "documents"):
+        config = ReaderConfig(gold_share=1.0, layouts=((layout, 1.0),), citation="quote")
+        (example,), _ = reader_examples(graph, [item], config, frozenset())
+        assert example.conversation[2].content == (f"The evidence states that {gold.text}. "
+                                                   "The answer is answer, option A. <answer>A</answer>")
+    with pytest.raises(ValueError, match="reader citation"):
+        ReaderConfig(citation="pointer")
+
+
+def test_a_share_of_examples_is_shown_no_evidence_and_says_so(graph: KnowledgeGraph):
+    items = [mc_item(graph, f"q{i}")[0] for i in range(20)]
+    config = ReaderConfig(gold_share=1.0, layouts=KG_FACTS, no_evidence_share=0.5)
+    examples, counts = reader_examples(graph, items, config, frozenset())
+    empty = [e for e in examples if "knowledge graph facts" not in e.conversation[1].content]
+    assert 0 < len(empty) == counts["no_evidence"] < len(examples)
+    assert all(e.conversation[2].content == NOT_FOUND and not e.pairs and not e.gold_shown for e in empty)
+
+
 def test_layouts_are_drawn_apart_from_the_withholding(graph: KnowledgeGraph):
     """Changing the layouts changes no example's gold-shown draw: the layouts have their own random stream."""
     items = [mc_item(graph, f"q{i}")[0] for i in range(20)]
-    mixed, counts = reader_examples(graph, items, ReaderConfig(gold_share=0.5), frozenset())
-    alone, _ = reader_examples(graph, items, ReaderConfig(gold_share=0.5, layouts=KG_FACTS), frozenset())
+    mixed, counts = reader_examples(graph, items, ReaderConfig(gold_share=0.5, no_evidence_share=0.0), frozenset())
+    alone, _ = reader_examples(graph, items, ReaderConfig(gold_share=0.5, no_evidence_share=0.0, layouts=KG_FACTS),
+                               frozenset())
     assert [e.gold_shown for e in mixed] == [e.gold_shown for e in alone]
     assert {k for k in counts if k.startswith("layout_")} == {"layout_kg_facts", "layout_a2rag", "layout_documents"}
     with pytest.raises(ValueError, match="reader layouts"):

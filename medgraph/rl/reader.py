@@ -15,11 +15,16 @@ methods' answering calls use (`LAYOUTS`, drawn per example):
                 ("amlodipine. Semantic type: ... Relations: may treat Hypertension; ..."): the facts grouped by
                 their subject, and the other options' concepts described without relations; cited as "Document 2"
 
-    gold shown     "Fact 3 states that amlodipine may treat Hypertension. The answer is amlodipine, option A.
-                    <answer>A</answer>"
+    gold shown     citation "number": "Fact 3 states that amlodipine may treat Hypertension. The answer is
+                    amlodipine, option A. <answer>A</answer>"; citation "quote" (RAFT's form): "The evidence
+                    states that amlodipine may treat Hypertension. The answer is ..."
     a "no" item    "No fact states that. The answer is no, option B. <answer>B</answer>"  (absent by design)
     gold withheld  "None of the facts answers the question."         (multiple choice only; no answer tag;
                                                                       "documents" in the documents layout)
+    no evidence    the same, for a share (`no_evidence_share`) shown nothing at all
+
+Which layouts and citation the profiles use is measured in benchmarks/README.md (`reader_adapter.py`): numbered
+citations are chosen before the facts are read, quoted ones by their words.
 
 Where we depart from RAFT: a withheld example's target names no option. RAFT keeps the correct answer there,
 which trains the reader to answer from memory; on a KG-derived benchmark that is memorising the KG, which the
@@ -58,6 +63,8 @@ Pair = frozenset[str]
 NOT_FOUND = "None of the facts answers the question."
 NOT_FOUND_DOCUMENTS = "None of the documents answers the question."
 
+CITATIONS = ("number", "quote")
+
 # The answering-call layouts the examples are drawn from (module doc), and the default share of each.
 LAYOUTS = ("kg_facts", "a2rag", "documents")
 DEFAULT_LAYOUTS = (("kg_facts", 0.4), ("a2rag", 0.3), ("documents", 0.3))
@@ -70,6 +77,12 @@ class ReaderConfig:
     gold_share: float = 0.8  # RAFT's P: examples whose gold facts are shown (multiple choice; yes/no always)
     max_wrong: int = 6  # distractor triples per question at most (as `oracle-evidence`)
     layouts: tuple[tuple[str, float], ...] = DEFAULT_LAYOUTS  # (layout, weight): what share of examples each gets
+    # "quote": "The evidence states that <fact>" (RAFT); "number": "Fact 3 states that <fact>", which a small reader
+    # decides before reading (benchmarks/README.md: 0.73 vs 0.40 with the gold shown on validation)
+    citation: str = "quote"
+    # Multiple-choice examples shown no evidence at all (target: nothing found); without them the quoting reader
+    # writes "The evidence states that ..." over no evidence and answers from what it learned (+0.15 on `cot`).
+    no_evidence_share: float = 0.1
     fit: SftConfig = field(default_factory=lambda: SftConfig(
         steps=60, batch_size=8, micro_batch_size=4, lr=1e-3, lora_r=16, lora_alpha=32, lora_layers=None))
     valid_dataset: str = "kgqa_mc"  # the gate's questions: the first `valid_items` of this validation dataset
@@ -77,6 +90,8 @@ class ReaderConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
+        if self.citation not in CITATIONS:
+            raise ValueError(f"reader citation must be one of {CITATIONS}; got {self.citation!r}")
         unknown = sorted({name for name, _ in self.layouts} - set(LAYOUTS))
         if unknown or not self.layouts or any(weight <= 0 for _, weight in self.layouts):
             raise ValueError(f"reader layouts must be (name, weight > 0) pairs with names among {LAYOUTS}; "
@@ -94,7 +109,8 @@ class ReaderConfig:
         fit = {f"fit_{k}": v for k, v in asdict(self.fit).items()
                if k in ("steps", "batch_size", "micro_batch_size", "lr", "lora_r", "lora_alpha", "lora_layers")}
         return {"gold_share": self.gold_share, "max_wrong": self.max_wrong,
-                "layouts": ",".join(f"{name}:{weight:g}" for name, weight in self.layouts),
+                "layouts": ",".join(f"{name}:{weight:g}" for name, weight in self.layouts), "citation": self.citation,
+                "no_evidence_share": self.no_evidence_share,
                 "valid_dataset": self.valid_dataset,
                 "valid_items": self.valid_items, "seed": self.seed, **fit}
 
@@ -168,6 +184,18 @@ def _citing_target(item: QaItem, cited: Sequence[tuple[int, Triple]], unit: str 
     return f"{lead}; {unit.lower()} {number} states that {fact.text}. {name_the_option(item)}"
 
 
+def _quoting_target(item: QaItem, cited: Sequence[Triple]) -> str:
+    """"The evidence states that <fact>; and that <fact>. The answer is ...": RAFT's form (the answer quotes the
+    evidence, no pointer to it), so the model chooses what to quote by its content rather than a number first;
+    only the fact touching an answer concept when the whole would not fit the answer budget."""
+    target = f"The evidence states that {'; and that '.join(t.text for t in cited)}. {name_the_option(item)}"
+    answers = set(item.extra.get("answer_cuis") or ())
+    last = [t for t in cited if {t.src_cui, t.dst_cui} & answers]
+    if len(target) <= TARGET_CHARS or not last or len(last) == len(cited):
+        return target
+    return f"The evidence states that {last[0].text}. {name_the_option(item)}"
+
+
 def concept_texts(facts: Sequence[Triple], described: Sequence[str], nodes: dict[str, Node],
                   rng: random.Random) -> tuple[list[tuple[str, str]], list[int]]:
     """The facts as concept texts in `kg.kg_node_text`'s words ("<name>. Semantic type: <types>. Relations:
@@ -239,12 +267,16 @@ def reader_examples(graph: KnowledgeGraph, items: Sequence[QaItem], config: Read
         if withhold:
             kept = [t for t, gold in zip(kept, is_gold, strict=True) if not gold]
         layout = layout_rng.choices(names, weights)[0]
+        if config.no_evidence_share and not yes_no and layout_rng.random() < config.no_evidence_share:
+            kept, withhold = [], True  # the retriever found nothing at all
+            stats["no_evidence"] += 1
         conversation, numbers, unit = _layout_prompt(layout, item, kept, nodes, layout_rng)
         if withhold:
             target = NOT_FOUND if unit == "Fact" else NOT_FOUND_DOCUMENTS
         elif has_gold:
-            target = _citing_target(item, [(numbers[k], t) for k, (t, gold) in enumerate(zip(kept, is_gold,
-                                                                                            strict=True)) if gold], unit)
+            cited = [(numbers[k], t) for k, (t, gold) in enumerate(zip(kept, is_gold, strict=True)) if gold]
+            target = _citing_target(item, cited, unit) if config.citation == "number" else \
+                _quoting_target(item, [t for _, t in cited])
         else:  # a "no" question: the fact it asks about is absent by design
             target = f"No {unit.lower()} states that. {name_the_option(item)}"
         stats["gold_withheld" if withhold else "gold_shown"] += 1
