@@ -35,8 +35,6 @@ def main() -> None:
     parser.add_argument("--gold-share", type=float, default=0.8)
     parser.add_argument("--layouts", default="kg_facts:0.4,a2rag:0.3,documents:0.3",
                         help="answering-call layouts of the examples and their weights (medgraph.rl.reader.LAYOUTS)")
-    parser.add_argument("--citation", default="quote", choices=("number", "quote"),
-                        help="targets cite a fact by its number, or quote it (RAFT)")
     parser.add_argument("--no-evidence-share", type=float, default=0.1,
                         help="share of multiple-choice examples shown no evidence at all (target: nothing found)")
     parser.add_argument("--valid", type=int, default=48, help="validation questions per dataset")
@@ -61,8 +59,7 @@ def main() -> None:
 
     warehouse = Warehouse(args.home / "warehouse.duckdb", Lake(args.home / "lake"))
     layouts = tuple((name, float(weight)) for name, weight in (part.split(":") for part in args.layouts.split(",")))
-    config = ReaderConfig(gold_share=args.gold_share, layouts=layouts, citation=args.citation,
-                          no_evidence_share=args.no_evidence_share, seed=args.seed)
+    config = ReaderConfig(gold_share=args.gold_share, layouts=layouts, no_evidence_share=args.no_evidence_share, seed=args.seed)
     config = replace(config, fit=replace(config.fit, steps=args.steps, batch_size=args.batch_size, lr=args.lr,
                                          lora_layers=args.lora_layers, seed=args.seed, progress=True))
     train = load_qa_items(warehouse, "train")

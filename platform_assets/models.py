@@ -182,6 +182,8 @@ class ReaderAdapterConfig(dg.Config):
     layouts: dict[str, float] | None = None
     """Answering-call layouts of the examples and their weights, e.g. {kg_facts: 0.4, a2rag: 0.3, documents: 0.3}
     (the default); names as `medgraph.rl.reader.LAYOUTS`."""
+    no_evidence_share: float | None = None
+    """Share of the multiple-choice examples shown no evidence at all (target: nothing found); 0.1 by default."""
     seed: int = 0
     device: str = "auto"
 
@@ -189,6 +191,7 @@ class ReaderAdapterConfig(dg.Config):
         config = ReaderConfig.profile(self.profile or default_profile, seed=self.seed,
                                       **{k: v for k, v in (("valid_items", self.valid_items),
                                                            ("gold_share", self.gold_share),
+                                                           ("no_evidence_share", self.no_evidence_share),
                                                            ("layouts", self.layouts and tuple(self.layouts.items())))
                                          if v is not None})
         return config.but(seed=self.seed, device=self.device,

@@ -13,7 +13,7 @@ from conftest import copy_warehouse
 from medgraph.gnn.model import GatModel
 from medgraph.storage import Warehouse
 from medgraph.tracking import GAT_MODEL
-from platform_assets.models import gat_model
+from platform_assets.models import ReaderAdapterConfig, gat_model
 from resources import MlflowResource, TrainingResource, WarehouseResource
 
 
@@ -107,3 +107,13 @@ def test_a_failed_training_run_registers_nothing_and_is_marked_failed(resources:
     assert tracking.champion_version(GAT_MODEL.name) is None
     (run,) = tracking.client.search_runs([tracking.experiment_id("gat_model")])
     assert run.info.status == "FAILED"
+
+
+def test_reader_adapter_config_overrides_only_what_it_names():
+    """The asset's run config reaches the reader's examples and fit; what it leaves out keeps the profile's value."""
+    default = ReaderAdapterConfig().reader_config("demo")
+    config = ReaderAdapterConfig(no_evidence_share=0.3, layouts={"kg_facts": 1.0}, steps=5).reader_config("demo")
+    assert (config.no_evidence_share, config.layouts, config.fit.steps) == (0.3, (("kg_facts", 1.0),), 5)
+    assert (config.gold_share, config.fit.lr, config.valid_items) == (default.gold_share, default.fit.lr,
+                                                                      default.valid_items)
+    assert default.no_evidence_share == 0.1

@@ -53,16 +53,14 @@ def facts_shown(example: ReaderExample) -> str:
     return example.conversation[1].content.split("Question:")[0]
 
 
-def test_examples_cite_the_gold_fact_among_distractors_or_withhold_it(graph: KnowledgeGraph):
+def test_examples_quote_the_gold_fact_among_distractors_or_withhold_it(graph: KnowledgeGraph):
     item, gold, _ = mc_item(graph)
-    config = ReaderConfig(gold_share=1.0, layouts=KG_FACTS, citation="number")
+    config = ReaderConfig(gold_share=1.0, layouts=KG_FACTS)
     (shown,), counts = reader_examples(graph, [item], config, frozenset())
     assert shown.gold_shown and counts["gold_shown"] == 1 and counts["layout_kg_facts"] == 1
     assert [m.role for m in shown.conversation] == ["system", "user", "assistant"]
     lines = facts_shown(shown).splitlines()
-    number = next(line.split(".")[0] for line in lines if line.endswith(gold.text))
-    assert shown.conversation[2].content == (f"Fact {number} states that {gold.text}. "
-                                             "The answer is answer, option A. <answer>A</answer>")
+    assert any(line.endswith(gold.text) for line in lines)
     assert len(lines) > 2  # the heading, the gold fact and at least one distractor
 
     (withheld,), counts = reader_examples(graph, [item], ReaderConfig(gold_share=0.0, layouts=KG_FACTS), frozenset())
@@ -71,22 +69,21 @@ def test_examples_cite_the_gold_fact_among_distractors_or_withhold_it(graph: Kno
     assert "<answer>" not in withheld.conversation[2].content  # names no option: nothing to memorise
 
 
-def test_the_a2rag_layout_asks_first_and_cites_the_same_fact(graph: KnowledgeGraph):
+def test_the_a2rag_layout_asks_first_and_shows_the_same_fact(graph: KnowledgeGraph):
     """A2RAG's answering call puts the question before "Knowledge graph facts:" (`answer_conversation`)."""
     item, gold, _ = mc_item(graph)
-    config = ReaderConfig(gold_share=1.0, layouts=(("a2rag", 1.0),), citation="number")
+    config = ReaderConfig(gold_share=1.0, layouts=(("a2rag", 1.0),))
     (example,), _ = reader_examples(graph, [item], config, frozenset())
     prompt = example.conversation[1].content
     assert example.layout == "a2rag" and prompt.index("Question:") < prompt.index("Knowledge graph facts:")
-    number = next(line.split(".")[0] for line in prompt.splitlines() if line.endswith(gold.text))
-    assert example.conversation[2].content.startswith(f"Fact {number} states that {gold.text}.")
+    assert any(line.endswith(gold.text) for line in prompt.split("Knowledge graph facts:")[1].splitlines())
 
 
-def test_the_documents_layout_shows_concept_texts_and_cites_the_document(graph: KnowledgeGraph):
+def test_the_documents_layout_shows_concept_texts(graph: KnowledgeGraph):
     """MedRAG's layout with the facts as `kg_node_text` writes them: the subject's document lists "<relation>
-    <object>", the other options' concepts are described without relations, and the citation names the document."""
+    <object>" and the other options' concepts are described without relations."""
     item, gold, others = mc_item(graph)
-    config = ReaderConfig(gold_share=1.0, layouts=(("documents", 1.0),), citation="number")
+    config = ReaderConfig(gold_share=1.0, layouts=(("documents", 1.0),))
     (example,), counts = reader_examples(graph, [item], config, frozenset())
     prompt = example.conversation[1].content
     assert counts["layout_documents"] == 1 and prompt.startswith("Here are the relevant documents:\n[1] ")
@@ -94,7 +91,6 @@ def test_the_documents_layout_shows_concept_texts_and_cites_the_document(graph: 
     phrase = f"{gold.relation.replace('_', ' ')} {gold.dst_name}"
     (stating,) = [line for line in documents if phrase in line.split("Relations:", 1)[-1]]
     assert stating.startswith(f"[{stating[1]}] {gold.src_name}.")
-    assert example.conversation[2].content.startswith(f"Document {stating[1]} states that {gold.text}.")
     assert len(documents) >= 1 + len(others)  # each wrong option's concept has its own description
     assert example.pairs <= {frozenset((t.src_cui, t.dst_cui)) for t in graph.one_hop([HYPERTENSION])}
     (withheld,), _ = reader_examples(graph, [item], replace(config, gold_share=0.0), frozenset())
@@ -102,16 +98,14 @@ def test_the_documents_layout_shows_concept_texts_and_cites_the_document(graph: 
     assert withheld.conversation[2].content == NOT_FOUND_DOCUMENTS
 
 
-def test_quoted_citations_carry_the_fact_and_no_number(graph: KnowledgeGraph):
+def test_targets_quote_the_fact_and_name_no_number(graph: KnowledgeGraph):
     """RAFT's form: the target quotes the gold fact ("The evidence states that ...") in every layout."""
     item, gold, _ = mc_item(graph)
     for layout in ("kg_facts", "a2rag", "documents"):
-        config = ReaderConfig(gold_share=1.0, layouts=((layout, 1.0),), citation="quote")
+        config = ReaderConfig(gold_share=1.0, layouts=((layout, 1.0),))
         (example,), _ = reader_examples(graph, [item], config, frozenset())
         assert example.conversation[2].content == (f"The evidence states that {gold.text}. "
                                                    "The answer is answer, option A. <answer>A</answer>")
-    with pytest.raises(ValueError, match="reader citation"):
-        ReaderConfig(citation="pointer")
 
 
 def test_a_share_of_examples_is_shown_no_evidence_and_says_so(graph: KnowledgeGraph):
@@ -198,8 +192,8 @@ def test_the_adapter_learns_the_targets_and_leaves_the_base_weights_alone(graph:
     assert torch.equal(weight, adapted_base)
 
 
-def test_a_long_two_hop_citation_quotes_only_the_fact_that_names_the_answer():
-    from medgraph.rl.reader import TARGET_CHARS, _citing_target
+def test_a_long_two_hop_target_quotes_only_the_fact_that_names_the_answer():
+    from medgraph.rl.reader import TARGET_CHARS, _quoting_target
 
     long_name = "Congenitally corrected transposition of the great arteries with ventricular septal defect"
     facts = [Triple("e1", "C1", long_name, "has_manifestation", "C2", "Abnormal atrioventricular valve morphology"),
@@ -209,12 +203,10 @@ def test_a_long_two_hop_citation_quotes_only_the_fact_that_names_the_answer():
     item = QaItem("kgqa_mc", "q", "Which disease shares a manifestation with ...?",
                   {"A": "x", "B": "Ebstein anomaly of the tricuspid valve", "C": "y", "D": "z"}, "B",
                   extra={"answer_cuis": ["C9"]})
-    target = _citing_target(item, [(1, facts[0]), (2, facts[1])])
-    full = f"Facts 1 and 2 state that {facts[0].text}; and that {facts[1].text}."
+    target = _quoting_target(item, facts[:2])
+    full = f"The evidence states that {facts[0].text}; and that {facts[1].text}."
     assert len(full) > TARGET_CHARS and len(target) < len(full)
-    assert target.startswith("Facts 1 and 2; fact 2 states that Ebstein anomaly")
+    assert target.startswith("The evidence states that Ebstein anomaly")
     assert target.endswith("option B. <answer>B</answer>")
     short = [Triple("e1", "C1", "X", "r", "C2", "Y"), Triple("e2", "C9", "Z", "r", "C2", "Y")]
-    assert _citing_target(item, [(1, short[0]), (2, short[1])]).startswith("Facts 1 and 2 state that X r Y; and that Z r Y.")
-    # Two facts in one document: the document is named once.
-    assert _citing_target(item, [(3, short[0]), (3, short[1])], "Document").startswith("Document 3 states that X r Y;")
+    assert _quoting_target(item, short).startswith("The evidence states that X r Y; and that Z r Y.")

@@ -8,23 +8,23 @@ options: `methods.baselines.oracle_triples`), every example from the TRAIN split
 methods' answering calls use (`LAYOUTS`, drawn per example):
 
     kg_facts    `oracle-evidence` / `rag-kg`: "Here are relevant knowledge graph facts:", numbered triples, then
-                the question (`methods.baselines.kg_facts_prompt`); cited as "Fact 3"
+                the question (`methods.baselines.kg_facts_prompt`)
     a2rag       A2RAG's T_Final prompt: the question first, then "Knowledge graph facts:"
-                (`methods.a2rag.answer_conversation`); cited as "Fact 3"
+                (`methods.a2rag.answer_conversation`)
     documents   MedRAG's "Here are the relevant documents:" with concept texts as `kg.kg_node_text` writes them
                 ("amlodipine. Semantic type: ... Relations: may treat Hypertension; ..."): the facts grouped by
-                their subject, and the other options' concepts described without relations; cited as "Document 2"
+                their subject, and the other options' concepts described without relations
 
-    gold shown     citation "number": "Fact 3 states that amlodipine may treat Hypertension. The answer is
-                    amlodipine, option A. <answer>A</answer>"; citation "quote" (RAFT's form): "The evidence
-                    states that amlodipine may treat Hypertension. The answer is ..."
+    gold shown     RAFT's form, quoting the evidence: "The evidence states that amlodipine may treat
+                    Hypertension. The answer is amlodipine, option A. <answer>A</answer>"
     a "no" item    "No fact states that. The answer is no, option B. <answer>B</answer>"  (absent by design)
     gold withheld  "None of the facts answers the question."         (multiple choice only; no answer tag;
                                                                       "documents" in the documents layout)
     no evidence    the same, for a share (`no_evidence_share`) shown nothing at all
 
-Which layouts and citation the profiles use is measured in benchmarks/README.md (`reader_adapter.py`): numbered
-citations are chosen before the facts are read, quoted ones by their words.
+Which layouts the profiles use, and why the target quotes the fact instead of citing its number ("Fact 3 states
+that ...", which the 135M reader chose before reading: 0.40 vs 0.75 oracle-evidence on validation), is measured in
+benchmarks/README.md (`reader_adapter.py`, runs 5-8).
 
 Where we depart from RAFT: a withheld example's target names no option. RAFT keeps the correct answer there,
 which trains the reader to answer from memory; on a KG-derived benchmark that is memorising the KG, which the
@@ -63,8 +63,6 @@ Pair = frozenset[str]
 NOT_FOUND = "None of the facts answers the question."
 NOT_FOUND_DOCUMENTS = "None of the documents answers the question."
 
-CITATIONS = ("number", "quote")
-
 # The answering-call layouts the examples are drawn from (module doc), and the default share of each.
 LAYOUTS = ("kg_facts", "a2rag", "documents")
 DEFAULT_LAYOUTS = (("kg_facts", 0.4), ("a2rag", 0.3), ("documents", 0.3))
@@ -77,9 +75,6 @@ class ReaderConfig:
     gold_share: float = 0.8  # RAFT's P: examples whose gold facts are shown (multiple choice; yes/no always)
     max_wrong: int = 6  # distractor triples per question at most (as `oracle-evidence`)
     layouts: tuple[tuple[str, float], ...] = DEFAULT_LAYOUTS  # (layout, weight): what share of examples each gets
-    # "quote": "The evidence states that <fact>" (RAFT); "number": "Fact 3 states that <fact>", which a small reader
-    # decides before reading (benchmarks/README.md: 0.73 vs 0.40 with the gold shown on validation)
-    citation: str = "quote"
     # Multiple-choice examples shown no evidence at all (target: nothing found); without them the quoting reader
     # writes "The evidence states that ..." over no evidence and answers from what it learned (+0.15 on `cot`).
     no_evidence_share: float = 0.1
@@ -90,8 +85,6 @@ class ReaderConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if self.citation not in CITATIONS:
-            raise ValueError(f"reader citation must be one of {CITATIONS}; got {self.citation!r}")
         unknown = sorted({name for name, _ in self.layouts} - set(LAYOUTS))
         if unknown or not self.layouts or any(weight <= 0 for _, weight in self.layouts):
             raise ValueError(f"reader layouts must be (name, weight > 0) pairs with names among {LAYOUTS}; "
@@ -109,7 +102,7 @@ class ReaderConfig:
         fit = {f"fit_{k}": v for k, v in asdict(self.fit).items()
                if k in ("steps", "batch_size", "micro_batch_size", "lr", "lora_r", "lora_alpha", "lora_layers")}
         return {"gold_share": self.gold_share, "max_wrong": self.max_wrong,
-                "layouts": ",".join(f"{name}:{weight:g}" for name, weight in self.layouts), "citation": self.citation,
+                "layouts": ",".join(f"{name}:{weight:g}" for name, weight in self.layouts),
                 "no_evidence_share": self.no_evidence_share,
                 "valid_dataset": self.valid_dataset,
                 "valid_items": self.valid_items, "seed": self.seed, **fit}
@@ -163,25 +156,8 @@ def name_the_option(item: QaItem) -> str:
 
 
 # A target longer than this (about 50 SmolLM2 tokens) would be cut by the methods' 64-token answer budget before it names
-# the answer (`OracleEvidenceConfig.max_new_tokens`); a 2-hop citation then quotes only the fact naming the answer.
+# the answer (`OracleEvidenceConfig.max_new_tokens`); a 2-hop target then quotes only the fact naming the answer.
 TARGET_CHARS = 200
-
-
-def _citing_target(item: QaItem, cited: Sequence[tuple[int, Triple]], unit: str = "Fact") -> str:
-    """"Facts 1 and 3 state that <fact 1>; and that <fact 3>. The answer is ..." (1-based numbers of the facts,
-    or of the documents that state them), with only the facts that touch an answer concept quoted when the whole
-    would not fit the answer budget."""
-    numbers = list(dict.fromkeys(number for number, _ in cited))
-    plural = len(numbers) > 1
-    lead = f"{unit}{'s' if plural else ''} {' and '.join(map(str, numbers))}"
-    target = f"{lead} state{'' if plural else 's'} that {'; and that '.join(t.text for _, t in cited)}. " \
-             f"{name_the_option(item)}"
-    answers = set(item.extra.get("answer_cuis") or ())
-    last = [(number, t) for number, t in cited if {t.src_cui, t.dst_cui} & answers]
-    if len(target) <= TARGET_CHARS or not last or len(last) == len(cited):
-        return target
-    number, fact = last[0]
-    return f"{lead}; {unit.lower()} {number} states that {fact.text}. {name_the_option(item)}"
 
 
 def _quoting_target(item: QaItem, cited: Sequence[Triple]) -> str:
@@ -197,15 +173,13 @@ def _quoting_target(item: QaItem, cited: Sequence[Triple]) -> str:
 
 
 def concept_texts(facts: Sequence[Triple], described: Sequence[str], nodes: dict[str, Node],
-                  rng: random.Random) -> tuple[list[tuple[str, str]], list[int]]:
+                  rng: random.Random) -> list[tuple[str, str]]:
     """The facts as concept texts in `kg.kg_node_text`'s words ("<name>. Semantic type: <types>. Relations:
     <relation> <object>; ..."), one per subject, plus a description of each concept in `described` that is no
-    subject (the other options' concepts), in a seeded order: the (title, text) documents and, per fact, the
-    1-based number of the document that states it."""
+    subject (the other options' concepts): (title, text) documents in a seeded order."""
     subjects = list(dict.fromkeys(t.src_cui for t in facts))
     concepts = subjects + [c for c in dict.fromkeys(described) if c not in subjects and c in nodes]
     rng.shuffle(concepts)
-    number = {cui: k for k, cui in enumerate(concepts, start=1)}
     documents = []
     for cui in concepts:
         node = nodes.get(cui)
@@ -217,20 +191,20 @@ def concept_texts(facts: Sequence[Triple], described: Sequence[str], nodes: dict
         if relations:
             parts.append(f"Relations: {'; '.join(relations)}.")
         documents.append((name, " ".join(parts)))
-    return documents, [number[t.src_cui] for t in facts]
+    return documents
 
 
 def _layout_prompt(layout: str, item: QaItem, facts: Sequence[Triple], nodes: dict[str, Node],
-                   rng: random.Random) -> tuple[Conversation, list[int], str]:
-    """The user turn in `layout` and, per fact, the number it is cited by, and the unit ("Fact", "Document")."""
+                   rng: random.Random) -> tuple[Conversation, str]:
+    """The system and user turns in `layout`, and what it calls a piece of evidence ("fact", "document")."""
     if layout == "kg_facts":
-        return kg_facts_prompt(item, facts), list(range(1, len(facts) + 1)), "Fact"
+        return kg_facts_prompt(item, facts), "fact"
     if layout == "a2rag":
-        return answer_conversation(item, facts, []), list(range(1, len(facts) + 1)), "Fact"
-    documents, numbers = concept_texts(facts, item.extra.get("option_cuis") or (), nodes, rng)
+        return answer_conversation(item, facts, []), "fact"
+    documents = concept_texts(facts, item.extra.get("option_cuis") or (), nodes, rng)
     sections = [documents_section(documents)] if documents else []
     return [system(EXPERT), user("\n\n".join([*sections, format_question(item), answer_instruction(item)]))], \
-        numbers, "Document"
+        "document"
 
 
 def reader_examples(graph: KnowledgeGraph, items: Sequence[QaItem], config: ReaderConfig,
@@ -270,15 +244,13 @@ def reader_examples(graph: KnowledgeGraph, items: Sequence[QaItem], config: Read
         if config.no_evidence_share and not yes_no and layout_rng.random() < config.no_evidence_share:
             kept, withhold = [], True  # the retriever found nothing at all
             stats["no_evidence"] += 1
-        conversation, numbers, unit = _layout_prompt(layout, item, kept, nodes, layout_rng)
+        conversation, unit = _layout_prompt(layout, item, kept, nodes, layout_rng)
         if withhold:
-            target = NOT_FOUND if unit == "Fact" else NOT_FOUND_DOCUMENTS
+            target = NOT_FOUND if unit == "fact" else NOT_FOUND_DOCUMENTS
         elif has_gold:
-            cited = [(numbers[k], t) for k, (t, gold) in enumerate(zip(kept, is_gold, strict=True)) if gold]
-            target = _citing_target(item, cited, unit) if config.citation == "number" else \
-                _quoting_target(item, [t for _, t in cited])
+            target = _quoting_target(item, [t for t, gold in zip(kept, is_gold, strict=True) if gold])
         else:  # a "no" question: the fact it asks about is absent by design
-            target = f"No {unit.lower()} states that. {name_the_option(item)}"
+            target = f"No {unit} states that. {name_the_option(item)}"
         stats["gold_withheld" if withhold else "gold_shown"] += 1
         stats[f"layout_{layout}"] += 1
         examples.append(ReaderExample(item.qid, [*conversation, assistant(target)], not withhold,
