@@ -1,8 +1,8 @@
 """The benchmark datasets as the evaluation assets' static partitions, shared by the assets and the sensors.
 
-Named once here, from MEDGRAPH_BENCHMARK (the `kg` default names them without reading a file; a MIRAGE or JSONL
-source without `#names` is read for its dataset names). Never raises: a bad benchmark fails inside
-eval/qa_benchmark, not while the definitions load.
+Named once here, from MEDGRAPH_BENCHMARK alone: no benchmark file is opened while the definitions load (a MIRAGE
+file without `#names` gives MIRAGE's five datasets, a JSONL file its stem). Never raises: a bad benchmark fails
+inside eval/qa_benchmark, not while the definitions load.
 """
 
 import dagster as dg

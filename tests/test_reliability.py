@@ -21,7 +21,6 @@ from medgraph.qa.benchmarks import (
     MIRAGE_DATASETS,
     BenchmarkFormatError,
     check_dataset_name,
-    dataset_names,
     load_benchmark,
     partition_names,
 )
@@ -48,14 +47,17 @@ def test_definitions_load_when_the_benchmark_file_is_missing(tmp_path: Path):
     assert loaded == {"mrsab": True, "partitions": sorted(MIRAGE_DATASETS)}
 
 
-def test_partition_names_fall_back_to_declared_names(tmp_path: Path):
+def test_partition_names_come_from_the_spec_without_opening_a_file(tmp_path: Path):
     missing = tmp_path / "missing.json"
-    with pytest.raises(FileNotFoundError):
-        dataset_names(f"mirage:{missing}", tmp_path)
     assert partition_names(f"mirage:{missing}", tmp_path) == sorted(MIRAGE_DATASETS)
     assert partition_names(f"mirage:{missing}#medqa+bioasq,kg", tmp_path) == sorted(["medqa", "bioasq", *KG_DATASETS])
     assert partition_names("nonsense:spec", tmp_path) == list(KG_DATASETS)
     assert partition_names("", tmp_path) == list(KG_DATASETS)
+    # A file that exists is not opened either: its own dataset ("custom") is no partition unless the spec names it.
+    custom = tmp_path / "custom.json"
+    custom.write_text(json.dumps({"custom": {"q1": MC_ITEM}}))
+    assert partition_names(f"mirage:{custom}", tmp_path) == sorted(MIRAGE_DATASETS)
+    assert partition_names(f"mirage:{custom}#custom", tmp_path) == ["custom"]
 
 
 def test_a_missing_benchmark_file_fails_inside_qa_benchmark(tmp_path: Path):
@@ -81,8 +83,6 @@ def test_mirage_dataset_key_cannot_escape_the_home(tmp_path: Path):
     bench.write_text(json.dumps({"../../../../escaped/x": {"q1": MC_ITEM}, KG_DATASETS[0]: {"q1": MC_ITEM}}))
     with pytest.raises(BenchmarkFormatError, match=r"dataset name '\.\./\.\./\.\./\.\./escaped/x' is not allowed"):
         load_benchmark(f"mirage:{bench}", tmp_path)
-    with pytest.raises(BenchmarkFormatError, match="is not allowed"):
-        dataset_names(f"mirage:{bench}", tmp_path)
     lines = tmp_path / "lines.jsonl"
     lines.write_text(json.dumps(MC_ITEM) + "\n")
     with pytest.raises(BenchmarkFormatError, match="is not allowed"):
@@ -277,7 +277,7 @@ def test_truncated_and_non_utf8_mirage_files_name_the_file_and_line(tmp_path: Pa
     with pytest.raises(ValueError, match=rf"^{latin1}:{line}: not UTF-8 \(byte 0xe9\)"):
         load_mirage(latin1)
     with pytest.raises(BenchmarkFormatError, match=rf"^{latin1}:{line}: not UTF-8 \(byte 0xe9\)"):
-        dataset_names(f"mirage:{latin1}", tmp_path)
+        load_benchmark(f"mirage:{latin1}", tmp_path)
 
 
 def test_non_utf8_and_non_object_jsonl_lines_name_the_file_and_line(tmp_path: Path):

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -190,34 +190,14 @@ def _declared_names(source: BenchmarkSource) -> list[str] | None:
     return list(source.datasets) or None
 
 
-def dataset_names(spec: str, home: Path) -> Sequence[str]:
-    """The dataset names a spec yields, known before any asset runs (the evaluation partitions).
-
-    Only a MIRAGE file without a dataset selector is opened, to list its datasets.
-    """
-    names: list[str] = []
-    for source in parse_benchmark_spec(spec, home):
-        declared = _declared_names(source)
-        if declared is None:
-            data = _read_json(source.path)
-            if not isinstance(data, dict):
-                raise BenchmarkFormatError(f"{source.path}: expected an object of datasets")
-            declared = list(data)
-        names += declared
-    return sorted({check_dataset_name(name, f"benchmark spec {spec!r}") for name in names})
-
-
 def partition_names(spec: str, home: Path) -> list[str]:
-    """The evaluation partitions; never raises, so one bad benchmark cannot stop the definitions from loading.
+    """The evaluation partitions, from the spec alone: loading the definitions opens no benchmark file.
 
-    When `dataset_names` fails (a missing or malformed file, a bad name or spec), this falls back to the
-    names the spec declares without opening anything (a MIRAGE file without selector: MIRAGE's five
-    datasets), else the embedded split's; `eval/qa_benchmark` then fails with the real error when it runs.
+    A source's declared names (`_declared_names`); a MIRAGE file without a selector gets MIRAGE's five datasets
+    (name a subset with `#medqa+bioasq`). Never raises, so one bad benchmark cannot stop the definitions from
+    loading: a bad spec gives the embedded split's names, and `eval/qa_benchmark` fails with the real error
+    (a missing file, a dataset the file does not hold) when it runs.
     """
-    try:
-        return list(dataset_names(spec, home))
-    except (OSError, ValueError):
-        pass
     try:
         sources = parse_benchmark_spec(spec, home)
     except ValueError:
