@@ -166,10 +166,10 @@ def _quoting_target(item: QaItem, cited: Sequence[Triple]) -> str:
     only the fact touching an answer concept when the whole would not fit the answer budget."""
     target = f"The evidence states that {'; and that '.join(t.text for t in cited)}. {name_the_option(item)}"
     answers = set(item.extra.get("answer_cuis") or ())
-    last = [t for t in cited if {t.src_cui, t.dst_cui} & answers]
-    if len(target) <= TARGET_CHARS or not last or len(last) == len(cited):
+    naming_answer = [t for t in cited if {t.src_cui, t.dst_cui} & answers]
+    if len(target) <= TARGET_CHARS or not naming_answer or len(naming_answer) == len(cited):
         return target
-    return f"The evidence states that {last[0].text}. {name_the_option(item)}"
+    return f"The evidence states that {naming_answer[0].text}. {name_the_option(item)}"
 
 
 def concept_texts(facts: Sequence[Triple], described: Sequence[str], nodes: dict[str, Node],
@@ -195,16 +195,15 @@ def concept_texts(facts: Sequence[Triple], described: Sequence[str], nodes: dict
 
 
 def _layout_prompt(layout: str, item: QaItem, facts: Sequence[Triple], nodes: dict[str, Node],
-                   rng: random.Random) -> tuple[Conversation, str]:
-    """The system and user turns in `layout`, and what it calls a piece of evidence ("fact", "document")."""
+                   rng: random.Random) -> Conversation:
+    """The system and user turns of `item` with `facts` shown in `layout`."""
     if layout == "kg_facts":
-        return kg_facts_prompt(item, facts), "fact"
+        return kg_facts_prompt(item, facts)
     if layout == "a2rag":
-        return answer_conversation(item, facts, []), "fact"
+        return answer_conversation(item, facts, [])
     documents = concept_texts(facts, item.extra.get("option_cuis") or (), nodes, rng)
     sections = [documents_section(documents)] if documents else []
-    return [system(EXPERT), user("\n\n".join([*sections, format_question(item), answer_instruction(item)]))], \
-        "document"
+    return [system(EXPERT), user("\n\n".join([*sections, format_question(item), answer_instruction(item)]))]
 
 
 def reader_examples(graph: KnowledgeGraph, items: Sequence[QaItem], config: ReaderConfig,
@@ -244,7 +243,8 @@ def reader_examples(graph: KnowledgeGraph, items: Sequence[QaItem], config: Read
         if config.no_evidence_share and not yes_no and layout_rng.random() < config.no_evidence_share:
             kept, withhold = [], True  # the retriever found nothing at all
             stats["no_evidence"] += 1
-        conversation, unit = _layout_prompt(layout, item, kept, nodes, layout_rng)
+        conversation = _layout_prompt(layout, item, kept, nodes, layout_rng)
+        unit = "document" if layout == "documents" else "fact"  # what the layout calls a piece of evidence
         if withhold:
             target = NOT_FOUND if unit == "fact" else NOT_FOUND_DOCUMENTS
         elif has_gold:
