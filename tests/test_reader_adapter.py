@@ -127,6 +127,10 @@ def test_layouts_are_drawn_apart_from_the_withholding(graph: KnowledgeGraph):
     assert {k for k in counts if k.startswith("layout_")} == {"layout_kg_facts", "layout_a2rag", "layout_documents"}
     with pytest.raises(ValueError, match="reader layouts"):
         ReaderConfig(layouts=(("passages", 1.0),))
+    with pytest.raises(ValueError, match="no_evidence_share must be within"):
+        ReaderConfig(no_evidence_share=1.5)
+    with pytest.raises(ValueError, match="gold_share must be within"):
+        ReaderConfig(gold_share=-0.1)
 
 
 def test_a_yes_no_item_always_shows_its_fact(graph: KnowledgeGraph):

@@ -89,6 +89,10 @@ class ReaderConfig:
         if unknown or not self.layouts or any(weight <= 0 for _, weight in self.layouts):
             raise ValueError(f"reader layouts must be (name, weight > 0) pairs with names among {LAYOUTS}; "
                              f"got {self.layouts}")
+        # Shares are probabilities: a value over 1 would silently make every multiple-choice example evidence-free.
+        for name in ("gold_share", "no_evidence_share"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise ValueError(f"reader {name} must be within [0, 1], got {getattr(self, name)}")
 
     @classmethod
     def profile(cls, name: str, **overrides: object) -> ReaderConfig:
@@ -290,7 +294,7 @@ READING_CHECKS = {"oracle": "oracle-evidence", "no_evidence": "cot"}
 
 
 def reading_accuracy(llm: ChatModel, tools: KnowledgeTools, items: Sequence[QaItem],
-                     reader: ChatModel | None = None, batch_size: int = 8) -> dict[str, float]:
+                     reader: ChatModel | None = None, batch_size: int = 24) -> dict[str, float]:
     """Accuracy, parse failures and the share asked again of the answering model (`reader`, else `llm`) on
     `items`, with the gold facts shown among distractors (`oracle_*`) and with no evidence (`no_evidence_*`)."""
     metrics = {}
