@@ -31,7 +31,7 @@ from medgraph.llm import (
     user,
 )
 from medgraph.llm import models as models_module
-from medgraph.llm.hf import GRAPH_MARKER, TransformersChatModel, left_padded_position_ids
+from medgraph.llm.hf import GRAPH_MARKER, TransformersChatModel, _GrowingLayer, left_padded_position_ids
 from medgraph.llm.models import BuiltinModel, builtin_gguf, builtin_model_dir
 from medgraph.llm.openai_http import LlmRequestError, OpenAIChatModel
 from medgraph.llm.serve import serve
@@ -165,6 +165,29 @@ def test_finished_rows_leave_the_decode_batch(smollm2: TransformersChatModel) ->
     assert decode[0][0] == 3 and decode[-1][0] == 2  # "Hello there" stopped after 2 tokens; the others went on
     assert replies[0].text == "Hello there"
     assert replies[1].text == replies[2].text == "The capital of France is Paris."
+
+
+def test_the_decode_cache_grows_in_place_and_holds_what_concatenation_would() -> None:
+    # Two rows of different lengths, left-padded with zeros; decode steps written into the reserved room and past
+    # it (the buffer grows); then the first row leaves with the leading column only it needed.
+    generator = torch.Generator().manual_seed(0)
+    rows = [tuple(torch.randn(1, 3, length, 4, generator=generator) for _ in range(2)) for length in (3, 5)]
+    layer = _GrowingLayer(rows, width=5, room=2)
+    expected_keys = torch.cat([torch.nn.functional.pad(keys, (0, 0, 5 - keys.shape[-2], 0)) for keys, _ in rows])
+    assert torch.equal(layer.keys, expected_keys) and layer.get_seq_length() == 5
+    storage = layer.keys.untyped_storage().data_ptr()
+    for step in range(4):  # 2 steps fit the room, the 3rd and 4th grow it
+        keys, values = (torch.randn(2, 3, 1, 4, generator=generator) for _ in range(2))
+        returned_keys, returned_values = layer.update(keys, values)
+        expected_keys = torch.cat([expected_keys, keys], dim=-2)
+        assert torch.equal(returned_keys, expected_keys) and returned_values.shape == returned_keys.shape
+        assert torch.equal(returned_values[:, :, -1:], values)
+        if step < 2:
+            assert layer.keys.untyped_storage().data_ptr() == storage  # written in place, not copied
+    layer.keep(torch.tensor([1]), lead=0)
+    assert torch.equal(layer.keys, expected_keys[1:])
+    layer.keep(torch.tensor([0]), lead=2)
+    assert torch.equal(layer.keys, expected_keys[1:, :, 2:]) and layer.get_seq_length() == 7
 
 
 def test_sampling_is_reproducible_with_a_seed(smollm2: TransformersChatModel) -> None:
