@@ -13,6 +13,10 @@ identical to the first variant's.
     .venv/bin/python benchmarks/methods_throughput.py --home .medgraph --questions 8
     .venv/bin/python benchmarks/methods_throughput.py --home .medgraph --prefix-cache on,off \
         --methods a2rag,sema-rag,graph-r1 --no-serial
+    .venv/bin/python benchmarks/methods_throughput.py --home .medgraph --questions 24 --small-batch 8
+
+--small-batch B compares the lockstep batch of N with batches of B (the demo's eval batch_size) instead of
+one question at a time; the LLM then takes up to max(N, 16) rows per forward call (--max-batch-size).
 """
 
 from __future__ import annotations
@@ -55,6 +59,10 @@ def main() -> None:
     parser.add_argument("--prefix-cache", default="on", help="on, off or on,off (side by side)")
     parser.add_argument("--dtypes", default="auto", help="comma list of LLM dtypes (auto, float32, bfloat16, int8)")
     parser.add_argument("--no-serial", action="store_true", help="skip the one-question-at-a-time runs")
+    parser.add_argument("--small-batch", type=int, default=1,
+                        help="the comparison runs in lockstep batches of this size (default 1: one at a time)")
+    parser.add_argument("--max-batch-size", type=int, default=None,
+                        help="rows per LLM forward call (default max(--questions, 16))")
     parser.add_argument("--no-warmup", action="store_true", help="skip the one-question warm-up run (token counts only)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -64,14 +72,16 @@ def main() -> None:
     encoder = load_encoder("minilm")
     variants = [(dtype, cache) for dtype in args.dtypes.split(",") for cache in args.prefix_cache.split(",")]
     methods = args.methods.split(",")
-    print(f"{len(items)} questions (kgqa_mc {args.split} split), {args.llm}, {args.threads} torch threads")
+    print(f"{len(items)} questions (kgqa_mc {args.split} split), {args.llm}, {args.threads} torch threads; "
+          f"'serial' = lockstep batches of {args.small_batch}")
     rows = []
     first_predictions: dict[str, list] = {}
     # Every variant loaded up front and the variants interleaved per method: a machine whose load drifts
     # during the run affects them alike.
     llms = {}
     for dtype, cache in variants:
-        llm = load_llm(args.llm, home=args.llm_home or args.home, dtype=dtype, prefix_cache=cache == "on")
+        llm = load_llm(args.llm, home=args.llm_home or args.home, dtype=dtype, prefix_cache=cache == "on",
+                       max_batch_size=args.max_batch_size or max(len(items), 16))
         llms[f"{getattr(llm, 'dtype', dtype)}".removeprefix("torch.") + f" cache {cache}"] = llm
     with Retriever(warehouse, encoder) as retriever:
         tools = KnowledgeTools(retriever)
@@ -81,7 +91,11 @@ def main() -> None:
                 if not args.no_warmup:
                     _run(method, items[:1], tools, llm, config, 1)  # warm caches (entity linker, indexes)
                 results, batched = _run(method, items, tools, llm, config, len(items))
-                serial = _run(method, items, tools, llm, config, 1)[1] if not args.no_serial else float("nan")
+                serial, same_small = float("nan"), float("nan")
+                if not args.no_serial:
+                    small_results, serial = _run(method, items, tools, llm, config, args.small_batch)
+                    same_small = sum(a.prediction == b.prediction for a, b in zip(results, small_results, strict=True))
+                    same_small /= len(items)
                 sent = sum(r.prompt_tokens for r in results) / len(items)
                 computed = sum(r.prompt_tokens_computed for r in results) / len(items)
                 predictions = [r.prediction for r in results]
@@ -90,7 +104,8 @@ def main() -> None:
                 accuracy = sum(r.correct for r in results) / len(items)
                 rows.append((variant, method, batched, serial, sent, computed, same, accuracy))
                 print(f"  {variant} {method}: batched {batched:.1f} s, serial {serial:.1f} s, prompt tokens/q "
-                      f"{sent:.0f} sent {computed:.0f} computed", flush=True)  # partial results survive
+                      f"{sent:.0f} sent {computed:.0f} computed, same answers batched vs serial {same_small:.0%}",
+                      flush=True)  # partial results survive
     rag = {v: b / len(items) for v, m, b, *_ in rows if m == "rag"}
     print(f"\n| variant | method | batched q/min | serial q/min | ratio | prompt tok/q sent | computed | "
           f"latency/q vs rag | same answers as {rows[0][0]} | accuracy |")

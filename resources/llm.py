@@ -19,7 +19,8 @@ class LlmResource(dg.ConfigurableResource):
     dtype: str | None = None
     """float32 | bfloat16 | float16 | auto (bf16 where the CPU has native bf16) | int8 (CPU, dynamic
     quantization); default bf16 on CUDA, float32 on the CPU (benchmarks/llm_dtype.py)."""
-    max_batch_size: int = 16
+    max_batch_size: int = 32
+    """Rows per forward call of an in-process model: at least the evaluations' lockstep batch (24)."""
     _llm: ChatModel | None = PrivateAttr(default=None)
 
     def load(self) -> ChatModel:
