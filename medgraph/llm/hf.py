@@ -544,8 +544,11 @@ class TransformersChatModel(ChatModel):
             cached = reuse[group[0]].length
             if cached:  # the group's rows have equal lengths: no padding; only the new tokens are computed
                 past = [self.prefix_cache.prefix(reuse[i].entry, cached) for i in group]
-                cache = DynamicCache([(torch.cat([p[layer][0] for p in past]), torch.cat([p[layer][1] for p in past]))
-                                      for layer in range(len(past[0]))], config=self.model.config)
+                # Copied once into a buffer with room for the new tokens (a DynamicCache built from them copies
+                # them twice, and the forward call's torch.cat a third time).
+                cache = DynamicCache(config=self.model.config)
+                cache.layers = [_GrowingLayer([p[layer] for p in past], cached, len(rows[group[0]]) - cached)
+                                for layer in range(len(past[0]))]
                 inputs_embeds, mask = inputs_embeds[:, cached:], mask[:, cached:]
                 position_ids = torch.arange(cached, cached + mask.shape[1], device=self.device).expand(len(group), -1)
             else:
