@@ -76,7 +76,8 @@ class EvalConfig(dg.Config):
     batch_size: int = 24
     """Questions advancing in lockstep (one LLM call per agent step). On a CPU a decode step costs little more
     for 24 rows than for 8 (benchmarks/llm_decode.py): 24 questions at once took 0.50-0.85x the time of three
-    batches of 8, with the same answers (benchmarks/methods_throughput.py --small-batch 8)."""
+    batches of 8, with the same answers, even before the KV cache was written in place
+    (benchmarks/methods_throughput.py --small-batch 8)."""
     method_config: str = "{}"
     """JSON object: method or ablation name -> configuration overrides, e.g. {"a2rag": {"tau": 0.4}}."""
     readers: list[str] = ["base"]

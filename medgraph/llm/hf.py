@@ -310,6 +310,14 @@ class _GrowingLayer(DynamicLayer):
         self._filled(self.length - lead)
 
 
+def _growing_cache(layers: list[list[tuple[torch.Tensor, torch.Tensor]]], width: int, room: int,
+                   config: object) -> DynamicCache:
+    """A DynamicCache over `_GrowingLayer`s: `layers[layer]` holds each row's (keys, values) of that layer."""
+    cache = DynamicCache(config=config)
+    cache.layers = [_GrowingLayer(rows, width, room) for rows in layers]
+    return cache
+
+
 @dataclass(frozen=True)
 class _Reuse:
     """What a row's prefill takes from the prefix cache: its cache key, the entry and how many tokens of it."""
@@ -546,9 +554,8 @@ class TransformersChatModel(ChatModel):
                 past = [self.prefix_cache.prefix(reuse[i].entry, cached) for i in group]
                 # Copied once into a buffer with room for the new tokens (a DynamicCache built from them copies
                 # them twice, and the forward call's torch.cat a third time).
-                cache = DynamicCache(config=self.model.config)
-                cache.layers = [_GrowingLayer([p[layer] for p in past], cached, len(rows[group[0]]) - cached)
-                                for layer in range(len(past[0]))]
+                cache = _growing_cache([[p[layer] for p in past] for layer in range(len(past[0]))], cached,
+                                       len(rows[group[0]]) - cached, self.model.config)
                 inputs_embeds, mask = inputs_embeds[:, cached:], mask[:, cached:]
                 position_ids = torch.arange(cached, cached + mask.shape[1], device=self.device).expand(len(group), -1)
             else:
@@ -561,8 +568,8 @@ class TransformersChatModel(ChatModel):
                 per_row[i] = [(layer.keys[slot:slot + 1], layer.values[slot:slot + 1]) for layer in cache.layers]
                 logits[i] = out.logits[slot, -1].float()
 
-        joined = DynamicCache(config=self.model.config)
-        joined.layers = [_GrowingLayer([row[layer] for row in per_row], width, room) for layer in range(len(per_row[0]))]
+        joined = _growing_cache([[row[layer] for row in per_row] for layer in range(len(per_row[0]))], width, room,
+                                self.model.config)
         mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows], device=self.device)
         return joined, mask, torch.stack(logits)
 
