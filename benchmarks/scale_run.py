@@ -10,8 +10,17 @@ home's size on disk after it and the rows of the tables it wrote. Prints one tab
 exponent of time and memory between consecutive sizes (log ratio over log ratio of rows: 1.0 is linear),
 and writes everything to <work-dir>/scale_run.json, with a least-squares projection of each step to a full
 UMLS release (54M kg_edges) and a log-log plot (<work-dir>/scale_run.png). Last, `query_latency.py` in the
-home: per-question entity linking, one-hop, GSRM and text search. Embeddings and the GPU assets are not
-steps: GAT memory against graph size is `gat_train.py --sizes`, encoder throughput `embed_throughput.py`.
+home: per-question entity linking, one-hop, GSRM and text search.
+
+The data steps build everything (umls, dbt marts, corpus and mentions, qa items); the model steps run bounded
+work whose size does not follow the release, so what grows in them is what the release makes them read: each
+embedding table embeds one deterministic sample of about SAMPLE_ROWS rows (`EmbeddingConfig.sample`), the GAT
+trains GAT_STEPS steps of the CPU profile over the whole graph (features of unsampled nodes are zeros), GSRM's
+sweep and recall use GSRM_QUESTIONS validation questions (triples without a stored vector are encoded on the
+fly and kept in the home's vector cache), and A2RAG without graph tokens answers EVAL_QUESTIONS kgqa_mc test
+questions with the default LLM; the trainers (Graph-R1 SFT and GRPO, the reader adapter, the HIIM projector) run
+a few steps, which measures what building their examples from a KG of this size costs. GPU-size GAT memory is `gat_train.py --sizes`; encoder throughput
+`embed_throughput.py`.
 """
 
 from __future__ import annotations
@@ -30,18 +39,81 @@ from pathlib import Path
 
 import duckdb
 
+from medgraph.methods.a2rag import A2RagConfig
+
 ROOT = Path(__file__).resolve().parents[1]
 PYTHON = sys.executable
 DG = str(Path(PYTHON).parent / "dg")
 
-# (step, asset selection, tables whose rows it reports)
-STEPS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
-    ("umls", "group:umls", ("umls.mrconso", "umls.mrrel", "umls.mrsty", "umls.mrdef")),
-    ("kg", "group:kg_staging or group:kg", ("kg.kg_nodes", "kg.kg_edges")),
+# (step, asset selection, tables whose rows it reports, partition)
+STEPS: tuple[tuple[str, str, tuple[str, ...], str | None], ...] = (
+    ("umls", "group:umls", ("umls.mrconso", "umls.mrrel", "umls.mrsty", "umls.mrdef"), None),
+    ("kg", "group:kg_staging or group:kg", ("kg.kg_nodes", "kg.kg_edges"), None),
     ("text", 'key:"text/corpus_chunks" or key:"kg/kg_chunk_mentions" or key:"kg/kg_chunk_links"',
-     ("text.corpus_chunks", "kg.kg_chunk_mentions", "kg.kg_chunk_links")),
-    ("qa", 'key:"qa/qa_items"', ("qa.qa_items",)),
+     ("text.corpus_chunks", "kg.kg_chunk_mentions", "kg.kg_chunk_links"), None),
+    ("qa", 'key:"qa/qa_items"', ("qa.qa_items",), None),
+    # A bounded sample of each embedding table (EmbeddingConfig.sample): embedding every row is hours on 2 cores
+    # (node texts ~40-80/s, triples ~250-420/s, benchmarks/README.md "embed_throughput.py"); the sample measures
+    # the per-row cost and what grows with the table (its scan), and GSRM and the GAT run on what it leaves.
+    ("embed", "group:embeddings", tuple(f"embeddings.{t}" for t in
+                                        ("node_embeddings", "node_description_embeddings", "edge_embeddings",
+                                         "chunk_embeddings")), None),
+    ("gat", 'key:"models/gat_model"', (), None),
+    ("gsrm", 'key:"models/gsrm_params" or key:"eval/gsrm_recall"', (), None),
+    ("eval", 'key:"eval/qa_benchmark" or key:"eval/eval_a2rag"', (), "kgqa_mc"),
+    # The trainers' data paths at size (their examples, trajectories and gates read the KG), on the `tiny`
+    # profile's few steps: what the KG costs them, not what training costs (that is the GPU's, gpu_check.sh).
+    ("graph_r1", 'key:"models/graph_r1_sft" or key:"models/graph_r1_policy"', (), None),
+    ("reader", 'key:"models/reader_adapter"', (), None),
+    ("hiim", 'key:"models/hiim_projector"', (), None),
 )
+# Rows each embedding table's sample aims at (the sample is shard 0 of ceil(rows / this)).
+SAMPLE_ROWS = {"node_embeddings": 2_000, "node_description_embeddings": 2_000, "edge_embeddings": 10_000,
+               "chunk_embeddings": 1_000}
+SAMPLE_SOURCES = {"node_embeddings": "kg.kg_node_text", "node_description_embeddings": "kg.kg_node_text",
+                  "edge_embeddings": "kg.kg_edges", "chunk_embeddings": "text.corpus_chunks"}
+GAT_STEPS = 20
+GSRM_QUESTIONS = 4
+TRAIN_STEPS = 2
+EVAL_QUESTIONS = 4
+
+
+def run_config(step: str, home: Path) -> dict | None:
+    """The run config of a model step: bounded embedding samples, a fixed number of GAT steps on the CPU
+    profile, GSRM's sweep and recall on a few questions, A2RAG (without graph tokens, the base reader) on a few
+    kgqa_mc questions; the encoder in bfloat16 as the demo runs it. None for the data steps."""
+    encoder = {"encoder": {"config": {"dtype": "bfloat16"}}}
+    if step == "embed":
+        rows = table_rows(home, tuple(SAMPLE_SOURCES.values()))
+        return {"resources": encoder, "ops": {
+            f"embeddings__{target}": {"config": {"sample": f"0/{max(1, math.ceil(rows.get(table, 0) / SAMPLE_ROWS[target]))}"}}
+            for target, table in SAMPLE_SOURCES.items()}}
+    if step == "gat":
+        return {"ops": {"models__gat_model": {"config": {"profile": "demo", "epochs": 1, "steps_per_epoch": GAT_STEPS}}}}
+    if step == "gsrm":
+        # A2RAG's default tau and K only: the full sweep's tau 0.3 at K 3 reaches (and encodes) several times the
+        # triples, ~45 min for 8 questions at 1M MRREL rows with the vectors not stored.
+        a2rag = A2RagConfig()
+        sweep = {"limit": GSRM_QUESTIONS, "taus": [a2rag.tau], "iterations": list(range(a2rag.iterations + 1))}
+        recall = {"limit": GSRM_QUESTIONS, "min_iterations": a2rag.iterations}
+        return {"resources": encoder, "ops": {"models__gsrm_params": {"config": sweep},
+                                              "eval__gsrm_recall": {"config": recall}}}
+    if step == "eval":
+        return {"resources": encoder, "ops": {
+            "eval__qa_benchmark": {"config": {"limit": EVAL_QUESTIONS}},
+            "eval__eval_a2rag": {"config": {"methods": ["a2rag-no-hiim"], "readers": ["base"]}}}}
+    # Graph-R1 on the CPU profile with fewer steps: `tiny`'s 12 training questions and 48-token turns are made for
+    # the test KG (at 1M rows they gave one demonstration, too long for the turn limit).
+    graph_r1 = {"profile": "demo", "valid_items": EVAL_QUESTIONS, "steps": TRAIN_STEPS}
+    tiny = {"profile": "tiny", "valid_items": EVAL_QUESTIONS}
+    if step == "graph_r1":
+        return {"resources": encoder, "ops": {"models__graph_r1_sft": {"config": {**graph_r1, "evaluate_base": False}},
+                                              "models__graph_r1_policy": {"config": graph_r1}}}
+    if step == "reader":
+        return {"ops": {"models__reader_adapter": {"config": tiny}}}
+    if step == "hiim":
+        return {"resources": encoder, "ops": {"models__hiim_projector": {"config": tiny}}}
+    return None
 
 
 @dataclass
@@ -84,6 +156,16 @@ def table_rows(home: Path, tables: tuple[str, ...]) -> dict[str, int]:
     return rows
 
 
+def evaluation_summary(home: Path) -> dict[str, float]:
+    """Questions, accuracy and per-question latency of the newest A2RAG evaluation in the home."""
+    summaries = sorted((home / "artifacts" / "eval_a2rag").glob("*/artifacts/summary_kgqa_mc.json"),
+                       key=lambda path: path.stat().st_mtime)
+    if not summaries:
+        return {}
+    (summary,) = json.loads(summaries[-1].read_text())["summaries"]
+    return {key: round(summary[key], 3) for key in ("questions", "accuracy", "latency_p50_s", "latency_p95_s")}
+
+
 def run_size(rows_in: int, workdir: Path, only: set[str] | None = None) -> list[Step]:
     """Every step at one size in a fresh home; with `only`, just those steps in the home an earlier run left."""
     base = workdir / f"r{rows_in}"
@@ -99,12 +181,17 @@ def run_size(rows_in: int, workdir: Path, only: set[str] | None = None) -> list[
         steps.append(Step(rows_in, "release", seconds, rss, disk_mb(release), {}, rc))
     elif not home.exists():
         raise SystemExit(f"--only needs the home of an earlier run at {home}")
-    for name, selection, tables in STEPS:
+    for name, selection, tables, partition in STEPS:
         if only is not None and name not in only:
             continue
-        seconds, rss, rc = measured([DG, "launch", "-m", "definitions", "--assets", selection], env,
+        command = [DG, "launch", "-m", "definitions", "--assets", selection]
+        if (config := run_config(name, home)) is not None:
+            (base / f"{name}.config.json").write_text(json.dumps(config, indent=1))
+            command += ["-c", str(base / f"{name}.config.json")]
+        seconds, rss, rc = measured(command + (["--partition", partition] if partition else []), env,
                                     base / f"{name}.log")
-        steps.append(Step(rows_in, name, seconds, rss, disk_mb(home), table_rows(home, tables), rc))
+        steps.append(Step(rows_in, name, seconds, rss, disk_mb(home),
+                          {**table_rows(home, tables), **(evaluation_summary(home) if name == "eval" else {})}, rc))
         print(f"{rows_in:>11,} {name:<8} {seconds:8.1f}s {rss:8.0f} MB  disk {steps[-1].disk_mb:8.0f} MB  rc {rc}  "
               f"{steps[-1].rows}", flush=True)
         if rc != 0:
@@ -168,13 +255,18 @@ def plot(steps: list[Step], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    edges = {s.rows_in: s.rows.get("kg.kg_edges", 0) for s in steps if s.step == "kg"}
-    figure, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
-    for name in dict.fromkeys(s.step for s in steps):
+    edges = {s.rows_in: s.rows.get("kg.kg_edges", 0) for s in steps if s.step == "kg" and s.returncode == 0}
+    if not any(edges.values()):
+        print("no plot: no size has a kg step to place it")
+        return
+    figure, (left, right) = plt.subplots(1, 2, figsize=(12.5, 4.6))
+    colors = plt.get_cmap("tab20").colors
+    for k, name in enumerate(dict.fromkeys(s.step for s in steps)):
         runs = [s for s in steps if s.step == name and s.returncode == 0 and edges.get(s.rows_in, 0) > 0]
         xs = [edges[s.rows_in] for s in runs]
-        left.plot(xs, [s.seconds for s in runs], marker="o", label=name)
-        right.plot(xs, [s.peak_rss_mb / 1024 for s in runs], marker="o", label=name)
+        style = {"marker": "os^Dv"[k % 5], "color": colors[(2 * k) % 20 + (k >= 10)], "label": name}
+        left.plot(xs, [s.seconds for s in runs], **style)
+        right.plot(xs, [s.peak_rss_mb / 1024 for s in runs], **style)
     for axis, label in ((left, "wall time (s)"), (right, "peak RSS (GB)")):
         axis.set_xscale("log")
         axis.set_yscale("log")
@@ -182,8 +274,7 @@ def plot(steps: list[Step], path: Path) -> None:
         axis.set_ylabel(label)
         axis.grid(True, which="both", alpha=0.3)
     right.axhline(8, color="red", linestyle="--", linewidth=1, label="8 GB target")
-    left.legend(fontsize=8)
-    right.legend(fontsize=8)
+    right.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.02, 0.5))
     figure.suptitle("Scale run: each asset step against the size of the KG (synthetic UMLS releases)")
     figure.tight_layout()
     figure.savefig(path, dpi=110)
@@ -194,7 +285,7 @@ def main() -> None:
     parser.add_argument("--mrrel-rows", type=int, nargs="+", required=True)
     parser.add_argument("--work-dir", type=Path, default=ROOT / "benchmarks" / "_work" / "scale_run")
     parser.add_argument("--only", help="comma-separated steps to run again in the homes of an earlier run "
-                        f"({', '.join([*(name for name, _, _ in STEPS), 'query'])}); their rows replace the "
+                        f"({', '.join([*(name for name, *_ in STEPS), 'query'])}); their rows replace the "
                         "earlier ones in scale_run.json")
     args = parser.parse_args()
     only = set(args.only.split(",")) if args.only else None
@@ -203,7 +294,7 @@ def main() -> None:
     if only is not None and saved.exists():  # keep the earlier steps that were not run again
         fresh = {(s.rows_in, s.step) for s in steps}
         earlier = [Step(**row) for row in json.loads(saved.read_text())["steps"]]
-        order = ["release", *(name for name, _, _ in STEPS), "query"]
+        order = ["release", *(name for name, *_ in STEPS), "query"]
         steps = sorted([s for s in earlier if (s.rows_in, s.step) not in fresh] + steps,
                        key=lambda s: (s.rows_in, order.index(s.step)))
     growth = exponents(steps)

@@ -246,3 +246,33 @@ def test_shards_and_merge_on_an_s3_lake(tmp_path: Path, s3_server: str, aws_env,
     for cui, vector in expected.items():
         np.testing.assert_allclose(actual[cui], vector, atol=1e-5, rtol=0)
     assert warehouse.count("embeddings.node_embeddings") == 30
+
+
+# --- a sample: one shard's rows as the table, for a trial run at size -------------------------------------------
+
+
+def test_a_sampled_table_holds_exactly_one_shards_rows_with_the_vectors_of_the_whole_table(small_kg: Warehouse,
+                                                                                           tmp_path: Path):
+    """`EmbeddingConfig.sample` ("K/N") publishes the rows of shard K of N (md5 of the id, as the shards split
+    them) and nothing else; their vectors are the ones the whole table gets."""
+    nodes = dg.AssetKey(["embeddings", "node_embeddings"])
+    whole = copy_warehouse(small_kg, tmp_path / "whole")
+    dg.materialize(build_embedding_assets(1), selection=[nodes], resources=resources(whole.path.parent))
+    sample = dg.RunConfig(ops={"embeddings__node_embeddings": EmbeddingConfig(sample="1/3")})
+    dg.materialize(build_embedding_assets(1), selection=[nodes], resources=resources(small_kg.path.parent),
+                   run_config=sample)
+
+    expected, actual = table(whole, "node_embeddings"), table(small_kg, "node_embeddings")
+    assert len(expected) == 40
+    in_shard = {cui for cui in expected if int(hashlib.md5(cui.encode()).hexdigest()[:15], 16) % 3 == 1}
+    assert 0 < len(in_shard) < 40 and actual.keys() == in_shard
+    for cui in in_shard:
+        assert actual[cui][:2] == expected[cui][:2]
+        np.testing.assert_allclose(actual[cui][2], expected[cui][2], atol=1e-5, rtol=0)
+    assert small_kg.count("embeddings.node_embeddings") == len(in_shard)
+
+
+@pytest.mark.parametrize("text", ["3", "3/3", "a/2", "1/0", "-1/2"])
+def test_a_sample_not_written_k_of_n_is_refused_with_the_expected_form(text: str):
+    with pytest.raises(ValueError, match="K/N|shard index must be in"):
+        Shard.parse(text)

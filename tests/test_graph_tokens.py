@@ -106,6 +106,33 @@ def test_graph_tokens_live_in_the_llm_embedding_space_and_carry_gradient(qa_ware
     assert text_only.shape == (2,) and torch.isfinite(text_only).all()
 
 
+def test_the_answer_nll_reads_the_logits_of_the_answer_positions(qa_warehouse: Warehouse, smollm2,
+                                                                 tools: KnowledgeTools, tokenizer: GraphTokenizer):
+    """answer_nll asks the model for the last positions' logits only; its values are the ones computed from every
+    position's logits (the whole prompt's, then sliced), with and without graph tokens."""
+    examples = load_examples(qa_warehouse, "train", CONFIG, tools, limit=4)[:2]
+    tokens = [tokenizer.encode(e.triples).detach() for e in examples]
+    forward = smollm2.model.forward
+    seen: list[int] = []
+
+    def every_position(*args, **kwargs):  # the reference: every position's logits computed, then the last k taken
+        seen.append(keep := kwargs.pop("logits_to_keep"))
+        out = forward(*args, **kwargs)
+        out.logits = out.logits[:, -keep:]
+        return out
+
+    with torch.no_grad():
+        kept = [answer_nll(smollm2, examples, tokens), answer_nll(smollm2, examples, None)]
+        smollm2.model.forward = every_position
+        try:
+            full = [answer_nll(smollm2, examples, tokens), answer_nll(smollm2, examples, None)]
+        finally:
+            del smollm2.model.forward
+    assert seen and all(0 < k < 40 for k in seen)  # a few answer positions, not the prompt
+    for few, every in zip(kept, full):
+        torch.testing.assert_close(few, every, rtol=1e-4, atol=1e-4)
+
+
 def test_projector_must_beat_a2rags_text_only_answer_then_the_champion(qa_warehouse: Warehouse, smollm2, encoder,
                                                                         tmp_path: Path, mlflow_db: Path,
                                                                         monkeypatch: pytest.MonkeyPatch,

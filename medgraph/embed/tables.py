@@ -81,14 +81,6 @@ EMBEDDING_SOURCES: dict[str, EmbeddingSource] = {
 
 
 
-def embedding_source_sql(target: str, relations: Sequence[str] | None = None) -> str:
-    """The source query of one of EMBEDDING_SOURCES; for edges, optionally only some relations
-    (a full release has ~50M edges, and a laptop demo embeds a subset)."""
-    sql = EMBEDDING_SOURCES[target].sql
-    if target == "edge_embeddings" and relations:
-        sql += f" WHERE e.relation IN ({', '.join(sql_literal(r) for r in relations)})"
-    return sql
-
 @dataclass(frozen=True)
 class Shard:
     """Shard `index` of `count`: the rows whose id's md5, read as a number, is `index` modulo `count`."""
@@ -99,6 +91,14 @@ class Shard:
     def __post_init__(self) -> None:
         if not 0 <= self.index < self.count:
             raise ValueError(f"shard index must be in 0..{self.count - 1}, got {self.index}")
+
+    @classmethod
+    def parse(cls, text: str) -> "Shard":
+        """`"K/N"` -> Shard(K, N)."""
+        index, slash, count = text.partition("/")
+        if not slash or not index.strip().isdigit() or not count.strip().isdigit() or int(count) < 1:
+            raise ValueError(f"a shard is written 'K/N' (shard K of N, 0 <= K < N), got {text!r}")
+        return cls(int(index), int(count))
 
     @property
     def name(self) -> str:
@@ -113,6 +113,19 @@ def shard_number_sql(id_sql: str, count: int) -> str:
     """SQL for the shard of an id: the first 15 hex digits of md5(id as text), modulo `count` (in Python:
     `int(hashlib.md5(str(id).encode()).hexdigest()[:15], 16) % count`)."""
     return f"(CAST(('0x' || left(md5(CAST({id_sql} AS VARCHAR)), 15)) AS BIGINT) % {int(count)})"
+
+
+def embedding_source_sql(target: str, relations: Sequence[str] | None = None, sample: Shard | None = None) -> str:
+    """The source query of one of EMBEDDING_SOURCES; for edges, optionally only some relations
+    (a full release has ~50M edges, and a laptop demo embeds a subset); with `sample`, only the rows of that
+    shard: a bounded, deterministic slice of any table (a trial run at UMLS size, benchmarks/scale_run.py)."""
+    source = EMBEDDING_SOURCES[target]
+    sql = source.sql
+    if target == "edge_embeddings" and relations:
+        sql += f" WHERE e.relation IN ({', '.join(sql_literal(r) for r in relations)})"
+    if sample is not None:
+        sql = f"SELECT * FROM ({sql}) AS unsampled WHERE {sample.predicate(quote_ident(source.id_column))}"
+    return sql
 
 
 def shard_path(lake: Lake | S3Lake, target: str, shard: Shard) -> Path | str:

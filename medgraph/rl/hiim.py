@@ -198,11 +198,12 @@ def answer_nll(llm: ChatModel, examples: Sequence[ProjectorExample], graph_token
     answer_ids, answer_mask = answer_ids.to(prompts.device), answer_mask.to(prompts.device)
     inputs = torch.cat([prompts, embed(answer_ids)], dim=1)
     mask = torch.cat([prompt_mask, answer_mask], dim=1)
-    logits = llm.model(inputs_embeds=inputs, attention_mask=mask,
-                       position_ids=left_padded_position_ids(mask)).logits
-    # The logit at position p predicts token p + 1: answer token j is predicted at prompt_len - 1 + j.
-    start = prompts.shape[1] - 1
-    predicted = logits[:, start: start + width].float()
+    # Logits of the last width + 1 positions only (prompt_len - 1 onwards): the logit at position p predicts
+    # token p + 1, so logits[:, j] predicts answer token j. All positions' logits are (B, L, vocab): 2-3 GB at
+    # 8 prompts of ~1,500 tokens, with their gradients as much again, for the few the answer needs.
+    logits = llm.model(inputs_embeds=inputs, attention_mask=mask, position_ids=left_padded_position_ids(mask),
+                       logits_to_keep=width + 1).logits
+    predicted = logits[:, :width].float()
     token_nll = F.cross_entropy(predicted.transpose(1, 2), answer_ids, reduction="none")
     return (token_nll * answer_mask).sum(1) / answer_mask.sum(1)
 
