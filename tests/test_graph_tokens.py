@@ -28,7 +28,14 @@ from medgraph.methods.a2rag import A2Rag, A2RagConfig, answer_conversation
 from medgraph.methods.tools import KnowledgeTools
 from medgraph.qa.generate import generate_qa_items
 from medgraph.retrieval import Retriever
-from medgraph.rl.hiim import ProjectorConfig, ProjectorResult, answer_nll, load_examples, token_embedding_norm
+from medgraph.rl.hiim import (
+    ProjectorConfig,
+    ProjectorResult,
+    answer_nll,
+    layer_inputs_only,
+    load_examples,
+    token_embedding_norm,
+)
 from medgraph.storage import Warehouse
 from medgraph.tracking import GAT_MODEL, HIIM_PROJECTOR_MODEL
 from platform_assets.models import gat_model, hiim_projector
@@ -131,6 +138,37 @@ def test_the_answer_nll_reads_the_logits_of_the_answer_positions(qa_warehouse: W
     assert seen and all(0 < k < 40 for k in seen)  # a few answer positions, not the prompt
     for few, every in zip(kept, full):
         torch.testing.assert_close(few, every, rtol=1e-4, atol=1e-4)
+
+
+def test_recomputing_the_frozen_llms_activations_gives_the_same_loss_and_gradient(qa_warehouse: Warehouse, smollm2,
+                                                                                  tools: KnowledgeTools,
+                                                                                  tokenizer: GraphTokenizer):
+    """W_proj trains with the LLM's layers checkpointed (layer_inputs_only): the same answer NLL and the same
+    gradient on W_proj as with every activation kept, and the model is left as it was (eval mode, no checkpointing)."""
+    examples = load_examples(qa_warehouse, "train", CONFIG, tools, limit=4)[:2]
+    vectors = [tokenizer.triple_vectors(e.triples) for e in examples]
+    weight = tokenizer.projector.proj.weight
+
+    def loss_and_grad() -> tuple[torch.Tensor, torch.Tensor]:
+        weight.grad = None
+        loss = answer_nll(smollm2, examples, [tokenizer.projector(v) for v in vectors]).mean()
+        loss.backward()
+        return loss.detach(), weight.grad.clone()
+
+    attention = smollm2.model.model.layers[0].self_attn
+    calls: list[int] = []
+    hook = attention.register_forward_hook(lambda *_: calls.append(1))
+    try:
+        kept, once = loss_and_grad(), len(calls)
+        with layer_inputs_only(smollm2.model):
+            recomputed = loss_and_grad()
+    finally:
+        hook.remove()
+    assert (once, len(calls) - once) == (1, 2)  # checkpointed: the layer ran again in the backward pass
+    torch.testing.assert_close(recomputed[0], kept[0], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(recomputed[1], kept[1], rtol=1e-4, atol=1e-7)
+    assert not smollm2.model.training and not any(m.training for m in smollm2.model.modules())
+    assert not any(getattr(m, "gradient_checkpointing", False) for m in smollm2.model.modules())
 
 
 def test_projector_must_beat_a2rags_text_only_answer_then_the_champion(qa_warehouse: Warehouse, smollm2, encoder,
