@@ -19,8 +19,8 @@ trains GAT_STEPS steps of the CPU profile over the whole graph (features of unsa
 sweep and recall use GSRM_QUESTIONS validation questions (triples without a stored vector are encoded on the
 fly and kept in the home's vector cache), and A2RAG without graph tokens answers EVAL_QUESTIONS kgqa_mc test
 questions with the default LLM; the trainers (Graph-R1 SFT and GRPO, the reader adapter, the HIIM projector) run
-a few steps, which measures what building their examples from a KG of this size costs. GPU-size GAT memory is `gat_train.py --sizes`; encoder throughput
-`embed_throughput.py`.
+a few steps, which measures what building their examples from a KG of this size costs. GPU-size GAT memory is
+`gat_train.py --sizes`; encoder throughput `embed_throughput.py`.
 """
 
 from __future__ import annotations
@@ -45,6 +45,11 @@ ROOT = Path(__file__).resolve().parents[1]
 PYTHON = sys.executable
 DG = str(Path(PYTHON).parent / "dg")
 
+# Rows each embedding table's sample aims at (the sample is shard 0 of ceil(rows / this)).
+SAMPLE_ROWS = {"node_embeddings": 2_000, "node_description_embeddings": 2_000, "edge_embeddings": 10_000,
+               "chunk_embeddings": 1_000}
+SAMPLE_SOURCES = {"node_embeddings": "kg.kg_node_text", "node_description_embeddings": "kg.kg_node_text",
+                  "edge_embeddings": "kg.kg_edges", "chunk_embeddings": "text.corpus_chunks"}
 # (step, asset selection, tables whose rows it reports, partition)
 STEPS: tuple[tuple[str, str, tuple[str, ...], str | None], ...] = (
     ("umls", "group:umls", ("umls.mrconso", "umls.mrrel", "umls.mrsty", "umls.mrdef"), None),
@@ -55,23 +60,16 @@ STEPS: tuple[tuple[str, str, tuple[str, ...], str | None], ...] = (
     # A bounded sample of each embedding table (EmbeddingConfig.sample): embedding every row is hours on 2 cores
     # (node texts ~40-80/s, triples ~250-420/s, benchmarks/README.md "embed_throughput.py"); the sample measures
     # the per-row cost and what grows with the table (its scan), and GSRM and the GAT run on what it leaves.
-    ("embed", "group:embeddings", tuple(f"embeddings.{t}" for t in
-                                        ("node_embeddings", "node_description_embeddings", "edge_embeddings",
-                                         "chunk_embeddings")), None),
+    ("embed", "group:embeddings", tuple(f"embeddings.{target}" for target in SAMPLE_SOURCES), None),
     ("gat", 'key:"models/gat_model"', (), None),
     ("gsrm", 'key:"models/gsrm_params" or key:"eval/gsrm_recall"', (), None),
     ("eval", 'key:"eval/qa_benchmark" or key:"eval/eval_a2rag"', (), "kgqa_mc"),
-    # The trainers' data paths at size (their examples, trajectories and gates read the KG), on the `tiny`
-    # profile's few steps: what the KG costs them, not what training costs (that is the GPU's, gpu_check.sh).
+    # The trainers' data paths at size (their examples, trajectories and gates read the KG), for a few steps
+    # (run_config): what the KG costs them, not what training costs (that is the GPU's, gpu_check.sh).
     ("graph_r1", 'key:"models/graph_r1_sft" or key:"models/graph_r1_policy"', (), None),
     ("reader", 'key:"models/reader_adapter"', (), None),
     ("hiim", 'key:"models/hiim_projector"', (), None),
 )
-# Rows each embedding table's sample aims at (the sample is shard 0 of ceil(rows / this)).
-SAMPLE_ROWS = {"node_embeddings": 2_000, "node_description_embeddings": 2_000, "edge_embeddings": 10_000,
-               "chunk_embeddings": 1_000}
-SAMPLE_SOURCES = {"node_embeddings": "kg.kg_node_text", "node_description_embeddings": "kg.kg_node_text",
-                  "edge_embeddings": "kg.kg_edges", "chunk_embeddings": "text.corpus_chunks"}
 GAT_STEPS = 20
 GSRM_QUESTIONS = 4
 TRAIN_STEPS = 2
@@ -92,7 +90,7 @@ def run_config(step: str, home: Path) -> dict | None:
         return {"ops": {"models__gat_model": {"config": {"profile": "demo", "epochs": 1, "steps_per_epoch": GAT_STEPS}}}}
     if step == "gsrm":
         # A2RAG's default tau and K only: the full sweep's tau 0.3 at K 3 reaches (and encodes) several times the
-        # triples, ~45 min for 8 questions at 1M MRREL rows with the vectors not stored.
+        # triples: 8 questions at 1M MRREL rows, vectors not stored, had not finished after 13 min.
         a2rag = A2RagConfig()
         sweep = {"limit": GSRM_QUESTIONS, "taus": [a2rag.tau], "iterations": list(range(a2rag.iterations + 1))}
         recall = {"limit": GSRM_QUESTIONS, "min_iterations": a2rag.iterations}

@@ -80,7 +80,6 @@ EMBEDDING_SOURCES: dict[str, EmbeddingSource] = {
 }
 
 
-
 @dataclass(frozen=True)
 class Shard:
     """Shard `index` of `count`: the rows whose id's md5, read as a number, is `index` modulo `count`."""
