@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gzip
+import re
 import shutil
 from pathlib import Path
 
@@ -184,8 +185,24 @@ def test_fingerprint_ignores_copies_and_sees_content_changes(release_copy: Path,
     assert release_fingerprint(copy) == before
     path = copy / "MRDEF.RRF"
     text = path.read_text()
-    path.write_text(text.replace("definition", "Definition", 1))  # same size, new content
+    assert " tissue" in text
+    path.write_text(text.replace(" tissue", " Tissue", 1))  # same size, new content
     assert release_fingerprint(copy) != before
+
+
+def test_synthetic_names_are_distinct_words_of_umls_length(synthetic_release: Path):
+    """Questions, prompts and entity linking at scale need names that read like a release's (issue 27): words,
+    ~30 characters, each concept's preferred name its own."""
+    atoms = read_rrf(synthetic_release / "MRCONSO.RRF", MRCONSO)
+    names = [atom["STR"] for atom in atoms]
+    assert len(set(names)) == len(names)
+    assert all(re.fullmatch(r"[a-z-]+ [a-z]+ [a-z]+ [A-Za-z0-9 ]+", name) for name in names)
+    lengths = sorted(map(len, names))
+    assert 25 <= lengths[len(lengths) // 2] <= 45
+    preferred = {atom["CUI"] for atom in atoms if atom["TS"] == "P"}
+    assert len(preferred) == len({atom["CUI"] for atom in atoms})  # every concept has a preferred name
+    definitions = [row["DEF"] for row in read_rrf(synthetic_release / "MRDEF.RRF", MRDEF)]
+    assert definitions and all(text.startswith("A ") and text.endswith(".") for text in definitions)
 
 
 def test_every_ingested_layout_materializes_from_the_synthetic_release(release_copy: Path, warehouse: Warehouse):
