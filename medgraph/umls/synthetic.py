@@ -20,24 +20,29 @@ _SABS = ("MSH", "SNOMEDCT_US", "HPO", "ICD10CM", "NCI", "RXNORM", "MEDRT", "OMIM
 _SRLS = (0, 9, 0, 4, 0, 0, 0, 3)
 # A name is qualifier + site + noun + suffix, one word (or phrase) of each list.
 _QUALIFIERS = (
-    "acute chronic congenital primary secondary familial hereditary idiopathic recurrent benign malignant juvenile "
-    "adult neonatal severe mild atypical diffuse focal bilateral unilateral left right proximal distal inflammatory "
-    "infectious traumatic toxic allergic autoimmune metabolic degenerative progressive transient persistent "
-    "obstructive hemorrhagic ischemic necrotizing cystic fibrous hypertrophic atrophic neurogenic drug-induced "
-    "postoperative late-onset").split()
+    "acute", "chronic", "congenital", "primary", "secondary", "familial", "hereditary", "idiopathic", "recurrent",
+    "benign", "malignant", "juvenile", "adult", "neonatal", "severe", "mild", "atypical", "diffuse", "focal",
+    "bilateral", "unilateral", "left", "right", "proximal", "distal", "inflammatory", "infectious", "traumatic",
+    "toxic", "allergic", "autoimmune", "metabolic", "degenerative", "progressive", "transient", "persistent",
+    "obstructive", "hemorrhagic", "ischemic", "necrotizing", "cystic", "fibrous", "hypertrophic", "atrophic",
+    "neurogenic", "drug-induced", "postoperative", "late-onset")
 _SITES = (
-    "cardiac renal hepatic pulmonary gastric colonic cerebral spinal ocular retinal cutaneous dermal osseous articular "
-    "muscular thyroid adrenal pancreatic splenic biliary urinary vesical prostatic ovarian uterine cervical mammary "
-    "lymphatic arterial venous aortic coronary valvular myocardial pericardial pleural bronchial tracheal laryngeal "
-    "pharyngeal nasal sinus oral dental esophageal duodenal jejunal ileal rectal anal peritoneal testicular vaginal "
-    "placental fetal synovial tendon ligament cartilage marrow pituitary hypothalamic cortical meningeal").split()
+    "cardiac", "renal", "hepatic", "pulmonary", "gastric", "colonic", "cerebral", "spinal", "ocular", "retinal",
+    "cutaneous", "dermal", "osseous", "articular", "muscular", "thyroid", "adrenal", "pancreatic", "splenic",
+    "biliary", "urinary", "vesical", "prostatic", "ovarian", "uterine", "cervical", "mammary", "lymphatic",
+    "arterial", "venous", "aortic", "coronary", "valvular", "myocardial", "pericardial", "pleural", "bronchial",
+    "tracheal", "laryngeal", "pharyngeal", "nasal", "sinus", "oral", "dental", "esophageal", "duodenal", "jejunal",
+    "ileal", "rectal", "anal", "peritoneal", "testicular", "vaginal", "placental", "fetal", "synovial", "tendon",
+    "ligament", "cartilage", "marrow", "pituitary", "hypothalamic", "cortical", "meningeal")
 _NOUNS = (
-    "infarction carcinoma adenoma sarcoma lymphoma stenosis syndrome deficiency insufficiency failure hypertrophy "
-    "atrophy fibrosis sclerosis inflammation abscess cyst polyp ulcer hemorrhage thrombosis embolism aneurysm "
-    "dysplasia hyperplasia neoplasm lesion disorder disease injury fracture dislocation obstruction perforation "
-    "calcification effusion edema infection neuropathy myopathy dystrophy malformation agenesis hypoplasia anomaly "
-    "tumor metastasis pain dysfunction degeneration necrosis rupture torsion prolapse hernia fistula calculus "
-    "granuloma papilloma melanoma blastoma angioma lipoma nodule").split()
+    "infarction", "carcinoma", "adenoma", "sarcoma", "lymphoma", "stenosis", "syndrome", "deficiency",
+    "insufficiency", "failure", "hypertrophy", "atrophy", "fibrosis", "sclerosis", "inflammation", "abscess",
+    "cyst", "polyp", "ulcer", "hemorrhage", "thrombosis", "embolism", "aneurysm", "dysplasia", "hyperplasia",
+    "neoplasm", "lesion", "disorder", "disease", "injury", "fracture", "dislocation", "obstruction", "perforation",
+    "calcification", "effusion", "edema", "infection", "neuropathy", "myopathy", "dystrophy", "malformation",
+    "agenesis", "hypoplasia", "anomaly", "tumor", "metastasis", "pain", "dysfunction", "degeneration", "necrosis",
+    "rupture", "torsion", "prolapse", "hernia", "fistula", "calculus", "granuloma", "papilloma", "melanoma",
+    "blastoma", "angioma", "lipoma", "nodule")
 _SUFFIXES = (
     "type 1", "type 2", "type 3", "type 4", "of childhood", "in pregnancy", "with complication",
     "without complication", "grade 1", "grade 2", "grade 3", "stage I", "stage II", "stage III", "stage IV", "class A",
@@ -53,7 +58,7 @@ _SUFFIXES = (
 _NAME_SPACE = len(_QUALIFIERS) * len(_SITES) * len(_NOUNS) * len(_SUFFIXES)
 
 
-def _words(words: tuple[str, ...] | list[str]) -> str:
+def _words(words: tuple[str, ...]) -> str:
     return "[" + ", ".join(f"'{word}'" for word in words) + "]"
 
 
@@ -67,7 +72,7 @@ def _name_sql(index: str) -> str:
 
 def _definition_sql(index: str) -> str:
     """SQL for a definition sentence, words picked by hashes of `index`."""
-    def pick(words: tuple[str, ...] | list[str], salt: int) -> str:
+    def pick(words: tuple[str, ...], salt: int) -> str:
         return f"{_words(words)}[1 + CAST(hash(({index}) + {salt}) % {len(words)} AS BIGINT)]"
     return (f"'A ' || {pick(_QUALIFIERS, 1)} || ' ' || {pick(_NOUNS, 2)} || ' of the ' || {pick(_SITES, 3)} || "
             f"' tissue, characterized by ' || {pick(_NOUNS, 4)} || ' and ' || {pick(_QUALIFIERS, 5)} || ' ' || "
