@@ -85,11 +85,13 @@ def run_config(step: str, home: Path) -> dict | None:
     encoder = {"encoder": {"config": {"dtype": "bfloat16"}}}
     if step == "embed":
         rows = table_rows(home, tuple(SAMPLE_SOURCES.values()))
-        return {"resources": encoder, "ops": {
-            f"embeddings__{target}": {"config": {"sample": f"0/{max(1, math.ceil(rows.get(table, 0) / SAMPLE_ROWS[target]))}"}}
-            for target, table in SAMPLE_SOURCES.items()}}
+        shards = {target: max(1, math.ceil(rows.get(table, 0) / SAMPLE_ROWS[target]))
+                  for target, table in SAMPLE_SOURCES.items()}
+        return {"resources": encoder,
+                "ops": {f"embeddings__{target}": {"config": {"sample": f"0/{n}"}} for target, n in shards.items()}}
     if step == "gat":
-        return {"ops": {"models__gat_model": {"config": {"profile": "demo", "epochs": 1, "steps_per_epoch": GAT_STEPS}}}}
+        gat = {"profile": "demo", "epochs": 1, "steps_per_epoch": GAT_STEPS}
+        return {"ops": {"models__gat_model": {"config": gat}}}
     if step == "gsrm":
         # A2RAG's default tau and K only: the full sweep's tau 0.3 at K 3 reaches (and encodes) several times the
         # triples: 8 questions at 1M MRREL rows, vectors not stored, had not finished after 13 min.
@@ -242,7 +244,8 @@ def exponents(steps: list[Step]) -> list[dict[str, object]]:
         for small, large in itertools.pairwise(runs):
             scale = math.log(large.rows_in / small.rows_in)
             out.append({"step": name, "from": small.rows_in, "to": large.rows_in,
-                        "time_exponent": round(math.log(max(large.seconds, 1e-3) / max(small.seconds, 1e-3)) / scale, 2),
+                        "time_exponent": round(math.log(max(large.seconds, 1e-3) / max(small.seconds, 1e-3))
+                                               / scale, 2),
                         "rss_exponent": round(math.log(large.peak_rss_mb / small.peak_rss_mb) / scale, 2)})
     return out
 

@@ -30,6 +30,7 @@ from medgraph.qa.generate import generate_qa_items
 from medgraph.retrieval import Retriever
 from medgraph.rl.hiim import (
     ProjectorConfig,
+    ProjectorExample,
     ProjectorResult,
     answer_nll,
     layer_inputs_only,
@@ -67,7 +68,7 @@ def tokenizer(qa_warehouse: Warehouse, smollm2) -> GraphTokenizer:
 
 
 @pytest.fixture(scope="module")
-def two_examples(qa_warehouse: Warehouse, tools: KnowledgeTools) -> list:
+def two_examples(qa_warehouse: Warehouse, tools: KnowledgeTools) -> list[ProjectorExample]:
     """Two training examples as A2RAG retrieves them (retrieval is most of loading: shared by the module)."""
     return load_examples(qa_warehouse, "train", CONFIG, tools, limit=4)[:2]
 
@@ -101,8 +102,8 @@ def test_gold_path_evidence_is_an_explicit_option(qa_warehouse: Warehouse):
         assert set(example.item.extra["gold_path"]) <= {t.edge_id for t in example.triples}
 
 
-def test_graph_tokens_live_in_the_llm_embedding_space_and_carry_gradient(two_examples: list, smollm2,
-                                                                         tokenizer: GraphTokenizer):
+def test_graph_tokens_live_in_the_llm_embedding_space_and_carry_gradient(
+        two_examples: list[ProjectorExample], smollm2, tokenizer: GraphTokenizer):
     examples = two_examples
     tokens = [tokenizer.encode(e.triples) for e in examples]
     assert tokens[0].shape == (len(examples[0].triples), smollm2.hidden_size)
@@ -118,8 +119,8 @@ def test_graph_tokens_live_in_the_llm_embedding_space_and_carry_gradient(two_exa
     assert text_only.shape == (2,) and torch.isfinite(text_only).all()
 
 
-def test_the_answer_nll_reads_the_logits_of_the_answer_positions(two_examples: list, smollm2,
-                                                                 tokenizer: GraphTokenizer):
+def test_the_answer_nll_reads_the_logits_of_the_answer_positions(
+        two_examples: list[ProjectorExample], smollm2, tokenizer: GraphTokenizer):
     """answer_nll asks the model for the last positions' logits only; its values are the ones computed from every
     position's logits (the whole prompt's, then sliced), with and without graph tokens."""
     examples = two_examples
@@ -145,8 +146,8 @@ def test_the_answer_nll_reads_the_logits_of_the_answer_positions(two_examples: l
         torch.testing.assert_close(few, every, rtol=1e-4, atol=1e-4)
 
 
-def test_recomputing_the_frozen_llms_activations_gives_the_same_loss_and_gradient(two_examples: list, smollm2,
-                                                                                  tokenizer: GraphTokenizer):
+def test_recomputing_the_frozen_llms_activations_gives_the_same_loss_and_gradient(
+        two_examples: list[ProjectorExample], smollm2, tokenizer: GraphTokenizer):
     """W_proj trains with the LLM's layers checkpointed (layer_inputs_only): the same answer NLL and the same
     gradient on W_proj as with every activation kept, and the model is left as it was (eval mode, no checkpointing).
     One example: what is compared is the recomputation, which a batch would only repeat."""
