@@ -391,6 +391,21 @@ def test_training_resumes_from_its_checkpoint_exactly(tiny_sft_dir: Path, tmp_pa
     assert {p.name for p in (tmp_path / "step-000002").iterdir()} == {"policy", "optimizer.pt", "state.json"}
 
 
+def test_a_fresh_lora_adapter_is_the_same_whatever_ran_before_in_the_process(tiny_sft_dir: Path):
+    """`make demo` trains every model in one process: an adapter drawn from the process's random state would
+    differ from the one the same asset trains when materialized alone."""
+    first = load_trainable(tiny_sft_dir, lora=LoraSettings(r=2, alpha=4), device="cpu")
+    torch.rand(1000)  # what an earlier asset drew
+    state = torch.random.get_rng_state()
+    second = load_trainable(tiny_sft_dir, lora=LoraSettings(r=2, alpha=4), device="cpu")
+    assert torch.equal(torch.random.get_rng_state(), state)  # the caller's random state is left alone
+    lora_a = [(a, b) for (name, a), b in zip(first.model.named_parameters(), second.model.parameters(), strict=True)
+              if "lora_A" in name]
+    assert lora_a and all(torch.equal(a, b) and a.abs().sum() > 0 for a, b in lora_a)
+    reseeded = load_trainable(tiny_sft_dir, lora=LoraSettings(r=2, alpha=4, seed=1), device="cpu")
+    assert not torch.equal(next(p for n, p in reseeded.model.named_parameters() if "lora_A" in n), lora_a[0][0])
+
+
 # --------------------------------------------------------------------------- vLLM rollouts
 
 

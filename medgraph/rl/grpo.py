@@ -291,7 +291,8 @@ def train_grpo(model_dir: str | Path, env: GraphR1Env, train: Sequence[QaItem], 
         raise ValueError("GRPO needs training questions: materialize qa/qa_items")
     dist = Distributed.from_env()
     device = dist.device(config.device)
-    lora = LoraSettings(config.lora_r, config.lora_alpha, config.lora_layers) if config.lora_r else None
+    lora = (LoraSettings(config.lora_r, config.lora_alpha, config.lora_layers, seed=config.seed)
+            if config.lora_r else None)
     checkpoint = latest_checkpoint(checkpoint_dir) if resume else None
     if checkpoint is not None and lora is None:
         policy = load_trainable(checkpoint / POLICY_DIR, device=device, max_batch_size=256, name=name)

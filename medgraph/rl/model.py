@@ -43,6 +43,9 @@ class LoraSettings:
     # lowest adapted block: on a CPU, the top third trains about twice as fast as all of them.
     layers: int | None = None
     target_modules: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    # Seeds the fresh adapter's initialisation (lora_A is drawn at random): the same adapter whatever ran
+    # before in the process, so an asset materialized alone trains what it trains inside `make demo`.
+    seed: int = 0
 
 
 def load_trainable(model_dir: str | Path, *, lora: LoraSettings | None = None, adapter_dir: Path | None = None,
@@ -65,7 +68,10 @@ def load_trainable(model_dir: str | Path, *, lora: LoraSettings | None = None, a
         config = LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=0.0, bias="none",
                             target_modules=list(lora.target_modules), layers_to_transform=layers,
                             task_type="CAUSAL_LM")
-        chat.model = get_peft_model(chat.model, config)
+        devices = [torch.device(chat.device).index or 0] if chat.device.startswith("cuda") else []
+        with torch.random.fork_rng(devices=devices):  # leaves the caller's random state as it was
+            torch.manual_seed(lora.seed)
+            chat.model = get_peft_model(chat.model, config)
     return chat
 
 

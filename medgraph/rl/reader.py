@@ -279,7 +279,7 @@ def train_reader_adapter(model_dir: str | Path, examples: Sequence[ReaderExample
     if not examples:
         raise ValueError("no reader examples: the train split has no questions with options and gold facts")
     fit = config.fit
-    lora = LoraSettings(fit.lora_r, fit.lora_alpha, fit.lora_layers) if fit.lora_r else None
+    lora = LoraSettings(fit.lora_r, fit.lora_alpha, fit.lora_layers, seed=fit.seed) if fit.lora_r else None
     reader = load_trainable(model_dir, lora=lora, device=fit.device, max_batch_size=64, name=name)
     encoded = [encode_conversation(reader.tokenizer, e.conversation, reader.eos_ids) for e in examples]
     history, metrics = fit_replies(reader, encoded, fit, log_fn, desc="reader adapter")
