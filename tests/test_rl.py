@@ -406,6 +406,22 @@ def test_a_fresh_lora_adapter_is_the_same_whatever_ran_before_in_the_process(tin
     assert not torch.equal(next(p for n, p in reseeded.model.named_parameters() if "lora_A" in n), lora_a[0][0])
 
 
+@pytest.mark.filterwarnings("error:`gradient_checkpointing_enable` is deprecated:FutureWarning")
+@pytest.mark.parametrize("lora_r", [0, 2], ids=["full", "lora"])
+def test_activation_checkpointing_trains_the_same_policy(tiny_sft_dir: Path, lora_r: int):
+    """The `full` profile checkpoints activations (GPU memory); it must recompute, not change, the update."""
+    config = replace(TINY_GRPO, steps=1, lora_r=lora_r, lora_alpha=2 * lora_r, lora_layers=1)
+    plain = train_grpo(tiny_sft_dir, TOY_ENV, TOY, [], config)
+    checkpointed = train_grpo(tiny_sft_dir, TOY_ENV, TOY, [], replace(config, gradient_checkpointing=True))
+    assert any(getattr(m, "gradient_checkpointing", False) for m in checkpointed.policy.model.modules())
+    assert checkpointed.history[0]["reward"] == plain.history[0]["reward"]  # same rollouts
+    changed = 0
+    for (name, a), b in zip(plain.policy.model.named_parameters(), checkpointed.policy.model.parameters(), strict=True):
+        torch.testing.assert_close(a, b, msg=name)
+        changed += a.requires_grad
+    assert changed > 0
+
+
 # --------------------------------------------------------------------------- vLLM rollouts
 
 

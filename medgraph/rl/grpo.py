@@ -302,7 +302,7 @@ def train_grpo(model_dir: str | Path, env: GraphR1Env, train: Sequence[QaItem], 
     device = policy.device  # resolved ("auto" -> cuda or cpu)
     reference = frozen_reference(model_dir, policy) if config.beta > 0 else None
     if config.gradient_checkpointing:
-        policy.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        policy.model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
         if is_lora(policy.model):
             policy.model.enable_input_require_grads()
     optimizer = torch.optim.AdamW(trainable_parameters(policy.model), lr=config.lr, weight_decay=config.weight_decay)
