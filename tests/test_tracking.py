@@ -49,6 +49,21 @@ def test_champion_moves_only_when_a_candidate_is_better(tracking: Tracking):
     assert tracking.champion_version("medgraph-test") == better
 
 
+def test_a_gain_within_the_gates_noise_keeps_the_champion(tracking: Tracking):
+    """The GAT retrained on unchanged data scores 1e-7 apart run to run: that must not move `champion` (and
+    with it every evaluation the champion sensor would request)."""
+    gate = Gate("val_auc", min_gain=1e-6)
+    first = log_candidate(tracking, 0.9364626)
+    assert tracking.promote_if_better("medgraph-test", first, gate, baseline=UNTRAINED).promoted
+    rerun = log_candidate(tracking, 0.9364627)
+    decision = tracking.promote_if_better("medgraph-test", rerun, gate, baseline=UNTRAINED)
+    assert not decision.promoted and "does not beat the reference" in decision.reason
+    better = log_candidate(tracking, 0.9364646)
+    assert tracking.promote_if_better("medgraph-test", better, gate, baseline=UNTRAINED).promoted
+    lower_is_better = Gate("val_nll", higher_is_better=False, min_gain=0.01)
+    assert not lower_is_better.better(1.995, 2.0) and lower_is_better.better(1.98, 2.0)
+
+
 def test_a_first_candidate_must_strictly_beat_the_baseline_it_starts_from(tracking: Tracking):
     worse = log_candidate(tracking, 0.40)
     decision = tracking.promote_if_better("medgraph-test", worse, Gate("val_auc"), baseline=UNTRAINED)
