@@ -63,6 +63,13 @@ def resolve_device(device: str = "auto") -> str:
     return device
 
 
+def forked_rng(device: str) -> contextlib.AbstractContextManager:
+    """torch.random.fork_rng over the CPU generator and, on CUDA, the device's: what runs inside may seed
+    freely and the caller's random state is restored after."""
+    devices = [torch.device(device).index or 0] if device.startswith("cuda") else []
+    return torch.random.fork_rng(devices=devices)
+
+
 @functools.cache
 def cpu_has_bf16() -> bool:
     """Native bf16 matmuls (AVX512-BF16 or AMX); elsewhere bf16 on the CPU is emulated and slow."""
@@ -471,8 +478,7 @@ class TransformersChatModel(ChatModel):
 
     @torch.inference_mode()
     def _generate_rows(self, rows: list[_Row], config: GenerationConfig) -> list[tuple[str, int, int, str, int]]:
-        devices = [torch.device(self.device).index or 0] if self.device.startswith("cuda") else []
-        with torch.random.fork_rng(devices=devices):
+        with forked_rng(self.device):
             if config.temperature > 0 and config.seed is not None:
                 torch.manual_seed(config.seed)
             seeded = self._prefill_shared_prefixes(rows)

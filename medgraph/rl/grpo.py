@@ -49,13 +49,13 @@ from medgraph.methods.graph_r1 import GraphR1Config, GraphR1Env
 from medgraph.qa.item import QaItem
 from medgraph.rl.model import (
     POLICY_DIR,
-    LoraSettings,
     checkpoint_state,
     frozen_reference,
     is_lora,
     latest_checkpoint,
     load_optimizer_state,
     load_trainable,
+    lora_of,
     make_batch,
     save_checkpoint,
     token_logprobs,
@@ -291,8 +291,7 @@ def train_grpo(model_dir: str | Path, env: GraphR1Env, train: Sequence[QaItem], 
         raise ValueError("GRPO needs training questions: materialize qa/qa_items")
     dist = Distributed.from_env()
     device = dist.device(config.device)
-    lora = (LoraSettings(config.lora_r, config.lora_alpha, config.lora_layers, seed=config.seed)
-            if config.lora_r else None)
+    lora = lora_of(config)
     checkpoint = latest_checkpoint(checkpoint_dir) if resume else None
     if checkpoint is not None and lora is None:
         policy = load_trainable(checkpoint / POLICY_DIR, device=device, max_batch_size=256, name=name)

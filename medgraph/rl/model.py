@@ -23,12 +23,13 @@ import json
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import torch
 from torch import nn
 
 from medgraph.files import directory_written_atomically, write_atomically
-from medgraph.llm.hf import TransformersChatModel
+from medgraph.llm.hf import TransformersChatModel, forked_rng
 from medgraph.rl.rollout import EncodedConversation
 
 POLICY_DIR = "policy"
@@ -46,6 +47,22 @@ class LoraSettings:
     # Seeds the fresh adapter's initialisation (lora_A is drawn at random): the same adapter whatever ran
     # before in the process, so an asset materialized alone trains what it trains inside `make demo`.
     seed: int = 0
+
+
+class LoraFields(Protocol):
+    """What a training config (SftConfig, GrpoConfig) says of its LoRA."""
+
+    lora_r: int
+    lora_alpha: int
+    lora_layers: int | None
+    seed: int
+
+
+def lora_of(config: LoraFields) -> LoraSettings | None:
+    """The LoRA a training config asks for, seeded by its `seed`; None for full fine-tuning (`lora_r` 0)."""
+    if not config.lora_r:
+        return None
+    return LoraSettings(config.lora_r, config.lora_alpha, config.lora_layers, seed=config.seed)
 
 
 def load_trainable(model_dir: str | Path, *, lora: LoraSettings | None = None, adapter_dir: Path | None = None,
@@ -68,8 +85,7 @@ def load_trainable(model_dir: str | Path, *, lora: LoraSettings | None = None, a
         config = LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=0.0, bias="none",
                             target_modules=list(lora.target_modules), layers_to_transform=layers,
                             task_type="CAUSAL_LM")
-        devices = [torch.device(chat.device).index or 0] if chat.device.startswith("cuda") else []
-        with torch.random.fork_rng(devices=devices):  # leaves the caller's random state as it was
+        with forked_rng(chat.device):  # leaves the caller's random state as it was
             torch.manual_seed(lora.seed)
             chat.model = get_peft_model(chat.model, config)
     return chat

@@ -52,7 +52,7 @@ from medgraph.methods.common import answer_instruction, format_question
 from medgraph.methods.registry import run_method
 from medgraph.methods.tools import KnowledgeTools
 from medgraph.qa.item import QaItem, gold_edge_ids, gold_facts, gold_pairs
-from medgraph.rl.model import LoraSettings, load_trainable
+from medgraph.rl.model import load_trainable, lora_of
 from medgraph.rl.rollout import encode_conversation
 from medgraph.rl.sft import SftConfig, SftResult, fit_replies
 from medgraph.settings import profile_config
@@ -279,7 +279,7 @@ def train_reader_adapter(model_dir: str | Path, examples: Sequence[ReaderExample
     if not examples:
         raise ValueError("no reader examples: the train split has no questions with options and gold facts")
     fit = config.fit
-    lora = LoraSettings(fit.lora_r, fit.lora_alpha, fit.lora_layers, seed=fit.seed) if fit.lora_r else None
+    lora = lora_of(fit)
     reader = load_trainable(model_dir, lora=lora, device=fit.device, max_batch_size=64, name=name)
     encoded = [encode_conversation(reader.tokenizer, e.conversation, reader.eos_ids) for e in examples]
     history, metrics = fit_replies(reader, encoded, fit, log_fn, desc="reader adapter")

@@ -44,8 +44,8 @@ from medgraph.methods.graph_r1 import EnvStep, GraphR1Config, GraphR1Env, GraphR
 from medgraph.qa.item import QaItem
 from medgraph.rl.grpo import SMALL_ENV, TINY_ENV
 from medgraph.rl.model import (
-    LoraSettings,
     load_trainable,
+    lora_of,
     make_batch,
     token_logprobs,
     trainable_parameters,
@@ -245,8 +245,7 @@ def fits_generation_limit(tokenizer: object, state: GraphR1State, max_new_tokens
 def train_sft(model_dir: str | Path, demonstrations: Sequence[GraphR1State], config: SftConfig,
               log_fn: Callable[[int, dict[str, float]], None] | None = None, name: str | None = None) -> SftResult:
     """Masked maximum likelihood of the expert's replies; returns the policy (LoRA not yet merged)."""
-    lora = (LoraSettings(config.lora_r, config.lora_alpha, config.lora_layers, seed=config.seed)
-            if config.lora_r else None)
+    lora = lora_of(config)
     policy = load_trainable(model_dir, lora=lora, device=config.device, max_batch_size=256, name=name)
     usable = [s for s in demonstrations if fits_generation_limit(policy.tokenizer, s, config.graph_r1.max_new_tokens)]
     if not usable:
