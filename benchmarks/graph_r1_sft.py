@@ -29,6 +29,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=36)
     parser.add_argument("--train-items", type=int, default=150)
     parser.add_argument("--questions", type=int, default=16, help="validation kgqa_mc questions")
+    parser.add_argument("--datasets", default=None,
+                        help="comma list of the datasets SFT questions come from (default: every dataset)")
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
     os.environ["MEDGRAPH_HOME"] = str(args.home.resolve())
@@ -48,13 +50,15 @@ def main() -> None:
 
     settings = load_settings()
     warehouse = open_warehouse(settings)
-    config = SftConfig.profile("demo", steps=args.steps, train_items=args.train_items)
+    config = SftConfig.profile("demo", steps=args.steps, train_items=args.train_items,
+                               datasets=tuple(args.datasets.split(",")) if args.datasets else None)
     base = load_llm(settings.llm, home=args.home)
     items = load_mirage(args.home / "qa" / "qa_items.validation.json", ["kgqa_mc"])[: args.questions]
     # The encoder as `make demo` stores its vectors (deploy/local/demo_run_config.yaml: bf16).
     with Retriever(warehouse, load_encoder(settings.encoder, dtype="bfloat16")) as retriever:
         env = GraphR1Env(retriever, config.graph_r1)
-        demos = expert_demonstrations(env, load_qa_items(warehouse, "train", config.train_items, config.seed))
+        demos = expert_demonstrations(env, load_qa_items(warehouse, "train", config.train_items, config.seed,
+                                                                config.datasets))
         types = Counter(s.item.extra["question_type"] for s in demos.states)
         print(f"{len(demos.states)} demonstrations by question type: {dict(types)}", flush=True)
         started = time.perf_counter()

@@ -56,13 +56,18 @@ class _TrainingConfig(dg.Config):
     steps: int | None = None
     valid_items: int | None = None
     lr: float | None = None
+    datasets: list[str] | None = None
+    """The datasets the train and validation questions come from (default: every dataset); the demo names the one
+    it evaluates."""
     seed: int = 0
     device: str = "auto"
 
     def _profile_settings(self, default_profile: str, config_class, *fields: str):
-        """`config_class.profile(...)` with every field of `fields` (and steps, valid_items, lr) that is set."""
+        """`config_class.profile(...)` with every field of `fields` (and steps, valid_items, lr, datasets) that is set."""
         overrides = {name: getattr(self, name) for name in ("steps", "valid_items", "lr", *fields)
                      if getattr(self, name) is not None}
+        if self.datasets is not None:
+            overrides["datasets"] = tuple(self.datasets)
         return config_class.profile(self.profile or default_profile, seed=self.seed, device=self.device,
                                     **overrides)
 
@@ -84,7 +89,7 @@ def _prefixed(metrics: dict[str, float], prefix: str) -> dict[str, float]:
 
 def _validation_items(store: Warehouse, config: SftConfig | GrpoConfig) -> list[QaItem]:
     """The validation questions of the profile; none is an error, since the champion gate needs them."""
-    valid = load_qa_items(store, "validation", config.valid_items, config.seed)
+    valid = load_qa_items(store, "validation", config.valid_items, config.seed, config.datasets)
     if not valid:
         raise dg.Failure("no validation questions: the champion gate needs them (qa/qa_items split 'validation')")
     return valid
@@ -112,7 +117,8 @@ def graph_r1_sft(context: dg.AssetExecutionContext, config: GraphR1SftConfig, wa
     out = warehouse.layout.checkpoints("graph_r1_sft") / context.run.run_id
     with Retriever(store, encoder.load()) as retriever, mlflow_tracking.start_asset_run(context, ENV_INPUTS):
         env, valid = GraphR1Env(retriever, sft_config.graph_r1), _validation_items(store, sft_config)
-        demos = expert_demonstrations(env, load_qa_items(store, "train", sft_config.train_items, sft_config.seed))
+        demos = expert_demonstrations(env, load_qa_items(store, "train", sft_config.train_items, sft_config.seed,
+                                                         sft_config.datasets))
         context.log.info(f"SFT: {demos.as_metadata()}; {len(valid)} validation questions")
         mlflow.log_params({**{k: str(v) for k, v in sft_config.as_dict().items()}, "base_model": base.name})
         mlflow.set_tag(VALIDATION_KEY_TAG, validation_key(valid, sft_config.graph_r1))  # evaluate()'s defaults
@@ -193,7 +199,7 @@ def graph_r1_policy(context: dg.AssetExecutionContext, config: GraphR1PolicyConf
         start_validation = recorded_validation(tracking, sft_uri, key)
         if start_validation is not None:
             context.log.info(f"step 0: {sft_uri}'s validation as its SFT run recorded it (same key {key})")
-        result = train_grpo(start, env, load_qa_items(store, "train"), valid, grpo_config,
+        result = train_grpo(start, env, load_qa_items(store, "train", datasets=grpo_config.datasets), valid, grpo_config,
                             checkpoint_dir=work / "checkpoints", resume=config.resume, name="graph-r1-policy",
                             log_fn=lambda step, metrics: mlflow.log_metrics(metrics, step=step),
                             start_validation=start_validation)

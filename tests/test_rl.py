@@ -76,7 +76,7 @@ from medgraph.rl.scale import VllmRollouts
 from medgraph.rl.sft import SftConfig, expert_demonstrations, train_sft
 from medgraph.storage import Warehouse
 from medgraph.tracking import GRAPH_R1_POLICY_MODEL, GRAPH_R1_SFT_MODEL, Tracking
-from platform_assets.policy import graph_r1_policy, graph_r1_sft
+from platform_assets.policy import GraphR1PolicyConfig, GraphR1SftConfig, graph_r1_policy, graph_r1_sft
 from resources import EncoderResource, LlmResource, MlflowResource, TrainingResource, WarehouseResource
 
 HYPERTENSION = "C0020538"
@@ -269,6 +269,21 @@ def test_expert_demonstrations_walk_the_gold_path_and_answer_correctly(qa_wareho
             elif "<traverse>" in message.content or "<analyze>" in message.content:
                 cui = message.content.split(">")[-2].split("<")[0]
                 assert cui in seen, (state.item.qid, cui)
+
+
+def test_policy_training_draws_only_the_named_datasets(qa_warehouse: Warehouse):
+    """`datasets` (asset config -> SftConfig / GrpoConfig -> load_qa_items) keeps the questions of those datasets only,
+    train and validation alike; unset, every dataset. A seeded sample draws from the filtered questions."""
+    everything = load_qa_items(qa_warehouse, "train")
+    assert {"kgqa_mc", "kgqa_short", "kgqa_yesno"} <= {i.dataset for i in everything}
+    mc = load_qa_items(qa_warehouse, "train", datasets=("kgqa_mc",))
+    assert mc == [i for i in everything if i.dataset == "kgqa_mc"]
+    sample = load_qa_items(qa_warehouse, "validation", 5, seed=1, datasets=("kgqa_mc", "kgqa_yesno"))
+    assert len(sample) == 5 and {i.dataset for i in sample} <= {"kgqa_mc", "kgqa_yesno"}
+    sft = GraphR1SftConfig(datasets=["kgqa_mc"]).sft_config("tiny")
+    grpo = GraphR1PolicyConfig(datasets=["kgqa_mc"]).grpo_config("tiny")
+    assert sft.datasets == grpo.datasets == ("kgqa_mc",) and sft.as_dict()["datasets"] == ("kgqa_mc",)
+    assert GraphR1SftConfig().sft_config("tiny").datasets is None
 
 
 # --------------------------------------------------------------------------- a tiny model that learns

@@ -43,14 +43,16 @@ def publish_qa_items(items: Sequence[object], warehouse: Warehouse) -> Path:
     return warehouse.publish_arrow(SCHEMA, TABLE, pa.table(columns, schema=TABLE_SCHEMA))
 
 
-def load_qa_items(warehouse: Warehouse, split: str, limit: int | None = None, seed: int = 0) -> list[QaItem]:
-    """`qa.qa_items` of one split as QaItems carrying gold path, seed, answer and option CUIs in
-    `extra`; `limit` takes a seeded sample (in qid order)."""
+def load_qa_items(warehouse: Warehouse, split: str, limit: int | None = None, seed: int = 0,
+                  datasets: Sequence[str] | None = None) -> list[QaItem]:
+    """`qa.qa_items` of one split (and of `datasets`, when given) as QaItems carrying gold path, seed, answer and
+    option CUIs in `extra`; `limit` takes a seeded sample (in qid order)."""
     with warehouse.connect(read_only=True) as con:
         rows = con.execute(
             "SELECT dataset, qid, question, options, answer, acceptable_answers, gold_path, seed_cuis, answer_cuis, "
             f"option_cuis, question_type, relations, gold_pairs, gold_facts, hops FROM {SCHEMA}.{TABLE} WHERE split = ? "
-            "ORDER BY qid", [split]).fetchall()
+            + ("AND list_contains(?, dataset) " if datasets is not None else "") + "ORDER BY qid",
+            [split] + ([list(datasets)] if datasets is not None else [])).fetchall()
     if limit is not None and limit < len(rows):
         rows = sorted(random.Random(seed).sample(rows, limit), key=lambda row: row[1])
     return [QaItem(dataset=dataset, qid=qid, question=question, options=json.loads(options or "{}"), answer=answer,

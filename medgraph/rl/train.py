@@ -29,6 +29,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--profile", default="full", help="tiny | demo | full")
     parser.add_argument("--steps", type=int)
     parser.add_argument("--lora-r", type=int)
+    parser.add_argument("--datasets", help="comma list of the datasets to train and validate on (default: all)")
     parser.add_argument("--rollout-server", help="openai:<model>@<base_url> of a vLLM server (LoRA only)")
     parser.add_argument("--register", action="store_true", help="log and register the policy in MLflow")
     args = parser.parse_args(argv)
@@ -41,14 +42,16 @@ def main(argv: list[str] | None = None) -> int:
     from medgraph.storage import open_warehouse
 
     overrides = {k: v for k, v in {"steps": args.steps, "lora_r": args.lora_r,
-                                   "rollout_server": args.rollout_server}.items() if v is not None}
+                                   "rollout_server": args.rollout_server,
+                                   "datasets": tuple(args.datasets.split(",")) if args.datasets else None}.items()
+                 if v is not None}
     config = GrpoConfig.profile(args.profile, **overrides)
     settings = load_settings()
     warehouse = open_warehouse(settings)
     with Retriever(warehouse, load_encoder(settings.encoder)) as retriever:
         env = GraphR1Env(retriever, config.graph_r1)
-        train = load_qa_items(warehouse, "train")
-        valid = load_qa_items(warehouse, "validation", config.valid_items, config.seed)
+        train = load_qa_items(warehouse, "train", datasets=config.datasets)
+        valid = load_qa_items(warehouse, "validation", config.valid_items, config.seed, config.datasets)
         result = train_grpo(args.model_dir, env, train, valid, config, checkpoint_dir=args.out / "checkpoints",
                             name="graph-r1-policy",
                             log_fn=lambda step, metrics: print(json.dumps({"step": step, **metrics}), flush=True))
