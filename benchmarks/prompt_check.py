@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import time
 from pathlib import Path
 
@@ -41,6 +42,17 @@ def served(llm, name: str):
         yield load_llm(f"openai:{name}@{server.url}")
 
 
+def stat_means(results: list) -> str:
+    """The mean of every numeric or yes/no per-question stat the method records (SEMA-RAG's rounds and cut
+    reports, Graph-R1's steps, ...)."""
+    values: dict[str, list[float]] = {}
+    for result in results:
+        for key, value in result.stats.items():
+            if isinstance(value, (bool, int, float)):
+                values.setdefault(key, []).append(float(value))
+    return ", ".join(f"{key} {sum(v) / len(v):.2f}" for key, v in sorted(values.items()))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--home", type=Path, default=Path(".medgraph"))
@@ -52,14 +64,22 @@ def main() -> None:
     parser.add_argument("--methods", default=",".join(METHODS))
     parser.add_argument("--serve", action="store_true", help="run through medgraph's OpenAI-compatible server")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--set", action="append", default=[], metavar="METHOD.FIELD=JSON",
+                        help="a configuration override, e.g. sema-rag.report_demonstration=true (repeatable)")
+    parser.add_argument("--dtype", default=None, help="the LLM's weights: float32 (the CPU default), bfloat16, auto")
     args = parser.parse_args()
+    overrides: dict[str, dict[str, object]] = {}
+    for assignment in args.set:
+        target, value = assignment.split("=", 1)
+        method, field = target.rsplit(".", 1)
+        overrides.setdefault(method, {})[field] = json.loads(value)
     torch.set_num_threads(args.threads)
 
     warehouse = Warehouse(args.home / "warehouse.duckdb", Lake(args.home / "lake"))
     items = []
     for dataset in args.datasets.split(","):
         items += load_mirage(args.home / "qa" / f"qa_items.{args.split}.json", [dataset])[: args.questions]
-    llm = load_llm(args.llm, home=args.home)
+    llm = load_llm(args.llm, home=args.home, dtype=args.dtype)
     rows = []
     with Retriever(warehouse, load_encoder("minilm")) as retriever, \
             (served(llm, llm.name) if args.serve else contextlib.nullcontext(llm)) as model:
@@ -67,12 +87,12 @@ def main() -> None:
         print(f"{len(items)} questions ({args.datasets}), {model!r}", flush=True)
         for method in args.methods.split(","):
             started = time.perf_counter()
-            results = run_method(method, items, tools, model, make_config(method), batch_size=len(items))
+            results = run_method(method, items, tools, model, make_config(method, overrides.get(method)), batch_size=len(items))
             n = len(results)
             rows.append((method, n, sum(r.correct for r in results) / n, sum(r.parse_failed for r in results) / n,
                          sum(r.truncated for r in results) / n, sum(r.extra_answer_call for r in results) / n,
                          time.perf_counter() - started))
-            print(f"  {method}: {rows[-1][-1]:.0f} s", flush=True)
+            print(f"  {method}: {rows[-1][-1]:.0f} s; {stat_means(results)}", flush=True)
     print(f"\n{'method':<15} {'n':>4} {'accuracy':>8} {'parse fail':>10} {'truncated':>9} {'extra call':>10} {'s':>6}")
     for method, n, accuracy, parse_failed, truncated, extra, seconds in rows:
         print(f"{method:<15} {n:>4} {accuracy:>8.2f} {parse_failed:>10.2f} {truncated:>9.2f} {extra:>10.2f} "

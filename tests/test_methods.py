@@ -475,6 +475,29 @@ def test_sema_rag_stops_when_no_new_query_appears(tools: KnowledgeTools, judgmen
     assert result.stats["early_stop"]
 
 
+def test_sema_rag_report_has_its_own_token_budget(tools: KnowledgeTools):
+    """The evidence report is decoded with `report_max_new_tokens`, every other agent turn with `max_new_tokens`:
+    a 175-word report that a 160-token turn would cut is read whole and answered after, in its conversation."""
+    report = "Source [1] says amlodipine lowers blood pressure. " * 25
+
+    def reply(conversation: Conversation) -> str:
+        if "evidence report" in conversation[-1].content:
+            return report
+        return sema_reply(['{"sufficient": true}'])(conversation)
+
+    llm = ScriptedChatModel(reply)
+    config = make_config("sema-rag", {"max_new_tokens": 160, "report_max_new_tokens": 320})
+    (result,) = run_method("sema-rag", [TREAT], tools, llm, config)
+    assert [s.action for s in result.steps] == ["i_agent", "retrieve", "e_agent", "a_agent_report", "answer"]
+    assert not result.stats["report_cut"] and result.steps[3].completion_tokens == 175 and result.correct
+    report_calls = [i for i, calls in enumerate(llm.calls) if "evidence report" in calls[0][-1].content]
+    assert [llm.configs[i].max_new_tokens for i in report_calls] == [320]
+    assert {c.max_new_tokens for i, c in enumerate(llm.configs) if i not in report_calls} == {160}
+    answer_prompt = llm.calls[-1][0]
+    assert [m.role for m in answer_prompt] == ["system", "user", "assistant", "user"]
+    assert answer_prompt[2].content.strip() == report.strip()
+
+
 def test_sema_rag_answers_a_cut_report_from_the_evidence(tools: KnowledgeTools):
     """A report cut at its budget without a stated answer is dropped: the answer call is the direct answer
     from the evidence (no report in its conversation); an answer the cut report states is read without

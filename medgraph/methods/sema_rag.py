@@ -66,6 +66,10 @@ class SemaRagConfig:
     triples_per_round: int = 8
     max_triples_per_relation: int | None = 50  # hub guard: edges kept per (concept, relation)
     max_new_tokens: int = 160
+    # The A-Agent's evidence report (what the sources say about every option) has its own budget: a capable model's
+    # report runs longer than the other agents' JSON turns. Not raised by default: the small readers run into any
+    # budget (SmolLM2-135M loops; Qwen2.5-0.5B copies the sources out: 5 of 6 validation reports cut at 400 tokens).
+    report_max_new_tokens: int = 160
     # One worked I-Agent exchange before the question: small models then write JSON, but may copy
     # the example's content too, so it is off unless asked for.
     demonstration: bool = False
@@ -353,7 +357,7 @@ class SemaRag:
         if not self.config.use_a_agent:
             return (yield from answer_call(item, direct, self.generation, steps))
         conversation = [system(SYSTEM), user(f"{context}\n\n{A_REPORT}")]
-        report = yield Generate(conversation, self.generation)
+        report = yield Generate(conversation, self.generation.but(max_new_tokens=self.config.report_max_new_tokens))
         cited = sorted({int(n) for n in re.findall(r"\[(\d+)\]", report.text) if 0 < int(n) <= len(evidence.ids)})
         stats["cited_sources"] = cited
         steps.append(step_from_completion(len(steps), "a_agent_report", report, {"cited": cited}))
