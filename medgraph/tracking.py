@@ -83,8 +83,9 @@ class RegisteredModel:
     description: str
 
 
-# The GAT trains on the CPU with float sums whose order varies: three runs of one home and commit gave valid
-# ROC-AUC 0.93646263 / 0.93646269 / 0.93646273, so a gain under 1e-6 is that noise, not a better model.
+# GAT training's float sums can vary in order from run to run: before the CPU fit ran on deterministic kernels
+# three runs of one home and commit gave valid ROC-AUC 0.93646263 / 0.93646269 / 0.93646273, and on CUDA (fast
+# kernels, AMP) it still varies, so a gain under 1e-6 is that noise, not a better model.
 GAT_MODEL = RegisteredModel(
     "gat", "medgraph-gat", Gate("valid_roc_auc", min_gain=1e-6),
     "the GAT pretrained by triple classification (models/gat_model); vs the same GAT untrained")

@@ -167,6 +167,28 @@ def test_training_beats_chance_and_an_untrained_model(gat_warehouse: Warehouse, 
     assert result.timings["edges_per_second"] > 0 and len(result.relations) == result.graph["relations"]
 
 
+def test_cpu_training_runs_on_deterministic_kernels_and_restores_the_callers_setting(data: PreparedGraph,
+                                                                                   index: GraphIndex,
+                                                                                   gat_warehouse: Warehouse):
+    """On two threads the indexing backward's CPU sums vary from run to run unless torch's deterministic kernels
+    are on (two demo GAT runs of one seed differed by 1e-7 in valid ROC-AUC): fit_gat turns them on for the run
+    and gives the caller its own setting back, also when the run fails."""
+    features = node_features(gat_warehouse.lake, index)
+    config = replace(CONFIG, epochs=1, steps_per_epoch=2, log_every=1)
+    assert not torch.are_deterministic_algorithms_enabled()
+    during: list[bool] = []
+    fit_gat(data, features, config, log_fn=lambda step, metrics: during.append(torch.are_deterministic_algorithms_enabled()))
+    assert during and all(during)
+    assert not torch.are_deterministic_algorithms_enabled()
+
+    def crash(step: int, metrics: dict[str, float]) -> None:
+        raise KeyboardInterrupt("simulated crash")
+
+    with pytest.raises(KeyboardInterrupt):
+        fit_gat(data, features, config, log_fn=crash)
+    assert not torch.are_deterministic_algorithms_enabled()
+
+
 def test_resume_from_a_checkpoint_matches_an_uninterrupted_run(data: PreparedGraph, index: GraphIndex,
                                                                  gat_warehouse: Warehouse, trained: GatResult,
                                                                  tmp_path: Path):

@@ -21,12 +21,13 @@ checkpoint.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import io
 import logging
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -458,10 +459,34 @@ def _train_step(model: GatModel, optimizer: torch.optim.Optimizer, scaler: torch
     return loss.item()  # a sync, which also makes the step times honest on CUDA
 
 
+@contextlib.contextmanager
+def deterministic_kernels(device: torch.device) -> Iterator[None]:
+    """On the CPU, torch's deterministic kernels while the block runs. The backward of advanced indexing
+    (`index_put_` with accumulate) sums in an order that depends on thread timing on two or more threads, so two
+    runs of one seed differed by ~1e-7 in validation ROC-AUC; with these kernels they are identical, at the same
+    speed (benchmarks/README.md `gat_train.py`). On CUDA the fast kernels stay (AMP is not bitwise reproducible)."""
+    if device.type != "cpu":
+        yield
+        return
+    enabled, warn_only = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(enabled, warn_only=warn_only)
+
+
 def fit_gat(data: PreparedGraph, features: Tensor, config: GatConfig,
             checkpoint_dir: str | Path | None = None, resume: bool = True,
             log_fn: LogFn | None = None) -> GatResult:
-    """Pretrain a GatModel on prepared splits; `features` is (num_nodes, dim) on any device."""
+    """Pretrain a GatModel on prepared splits; `features` is (num_nodes, dim) on any device. On the CPU a run is
+    bitwise reproducible given the seed (`deterministic_kernels`)."""
+    with deterministic_kernels(pick_device(config.device)):
+        return _fit_gat(data, features, config, checkpoint_dir, resume, log_fn)
+
+
+def _fit_gat(data: PreparedGraph, features: Tensor, config: GatConfig, checkpoint_dir: str | Path | None,
+             resume: bool, log_fn: LogFn | None) -> GatResult:
     if features.shape[0] != data.num_nodes:
         raise ValueError(f"features have {features.shape[0]} rows for {data.num_nodes} nodes")
     if len(config.fanouts) != config.layers:
