@@ -97,10 +97,10 @@ def build_graph_index(warehouse: Warehouse, cache: bool = True) -> GraphIndex:
         version = _edges_fingerprint(con)
         cached = lake.file_path(_CACHE_SCHEMA, f"graph_index.{version}.npz")
         if cache and lake.exists(cached):
-            names = con.execute("SELECT preferred_name FROM kg.kg_nodes ORDER BY cui").fetch_arrow_table()
+            names = con.execute("SELECT preferred_name FROM kg.kg_nodes ORDER BY cui").to_arrow_table()
             return _load(lake.fetch(cached), names.column(0).combine_chunks(), version)
         started = time.perf_counter()
-        nodes = con.execute("SELECT cui, preferred_name FROM kg.kg_nodes ORDER BY cui").fetch_arrow_table()
+        nodes = con.execute("SELECT cui, preferred_name FROM kg.kg_nodes ORDER BY cui").to_arrow_table()
         relations = con.execute(f"WITH {_CODES_SQL} SELECT rel, rela, relation FROM codes ORDER BY code").fetchall()
         # Integer-encode in DuckDB: node position = rank of the CUI, relation code = rank of the triple.
         arrays = con.execute(

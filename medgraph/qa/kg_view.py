@@ -116,7 +116,7 @@ class _GraphArrays:
             FROM qa_positions p LEFT JOIN kg.kg_nodes n ON n.cui = p.cui LEFT JOIN qa_concepts q ON q.cui = p.cui
             ORDER BY p.pos
             """
-        ).fetch_arrow_table()
+        ).to_arrow_table()
         cuis = self.concepts.column("cui").to_pylist()
         self.cuis = np.asarray(cuis, dtype=f"U{max((len(c) for c in cuis), default=1)}")
         del cuis
