@@ -87,7 +87,8 @@ def main() -> None:
         print(f"{len(items)} questions ({args.datasets}), {model!r}", flush=True)
         for method in args.methods.split(","):
             started = time.perf_counter()
-            results = run_method(method, items, tools, model, make_config(method, overrides.get(method)), batch_size=len(items))
+            results = run_method(method, items, tools, model, make_config(method, overrides.get(method)),
+                                 batch_size=len(items))
             n = len(results)
             rows.append((method, n, sum(r.correct for r in results) / n, sum(r.parse_failed for r in results) / n,
                          sum(r.truncated for r in results) / n, sum(r.extra_answer_call for r in results) / n,

@@ -63,7 +63,7 @@ class _TrainingConfig(dg.Config):
     device: str = "auto"
 
     def _profile_settings(self, default_profile: str, config_class, *fields: str):
-        """`config_class.profile(...)` with every field of `fields` (and steps, valid_items, lr, datasets) that is set."""
+        """`config_class.profile(...)` with every field of `fields` (and steps, valid_items, lr, datasets) set."""
         overrides = {name: getattr(self, name) for name in ("steps", "valid_items", "lr", *fields)
                      if getattr(self, name) is not None}
         if self.datasets is not None:
@@ -199,7 +199,8 @@ def graph_r1_policy(context: dg.AssetExecutionContext, config: GraphR1PolicyConf
         start_validation = recorded_validation(tracking, sft_uri, key)
         if start_validation is not None:
             context.log.info(f"step 0: {sft_uri}'s validation as its SFT run recorded it (same key {key})")
-        result = train_grpo(start, env, load_qa_items(store, "train", datasets=grpo_config.datasets), valid, grpo_config,
+        train = load_qa_items(store, "train", datasets=grpo_config.datasets)
+        result = train_grpo(start, env, train, valid, grpo_config,
                             checkpoint_dir=work / "checkpoints", resume=config.resume, name="graph-r1-policy",
                             log_fn=lambda step, metrics: mlflow.log_metrics(metrics, step=step),
                             start_validation=start_validation)

@@ -144,7 +144,7 @@ class GrpoConfig:
     lora_layers: int | None = None  # adapt only the top N blocks (None: all)
     graph_r1: GraphR1Config = field(default_factory=GraphR1Config)  # the environment (max_steps, observation sizes, max_new_tokens)
     valid_items: int = 64
-    datasets: tuple[str, ...] | None = None  # train and validation questions of these datasets (None: all; see SftConfig)
+    datasets: tuple[str, ...] | None = None  # train and validation questions of these (None: all; see SftConfig)
     eval_every: int = 25
     eval_batch_size: int = 16
     checkpoint_every: int = 25
