@@ -58,7 +58,7 @@ def main() -> None:
     with Retriever(warehouse, load_encoder(settings.encoder, dtype="bfloat16")) as retriever:
         env = GraphR1Env(retriever, config.graph_r1)
         demos = expert_demonstrations(env, load_qa_items(warehouse, "train", config.train_items, config.seed,
-                                                                config.datasets))
+                                                            config.datasets))
         types = Counter(s.item.extra["question_type"] for s in demos.states)
         print(f"{len(demos.states)} demonstrations by question type: {dict(types)}", flush=True)
         started = time.perf_counter()

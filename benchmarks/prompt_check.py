@@ -65,7 +65,7 @@ def main() -> None:
     parser.add_argument("--serve", action="store_true", help="run through medgraph's OpenAI-compatible server")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--set", action="append", default=[], metavar="METHOD.FIELD=JSON",
-                        help="a configuration override, e.g. sema-rag.report_demonstration=true (repeatable)")
+                        help="a configuration override, e.g. sema-rag.report_max_new_tokens=400 (repeatable)")
     parser.add_argument("--dtype", default=None, help="the LLM's weights: float32 (the CPU default), bfloat16, auto")
     args = parser.parse_args()
     overrides: dict[str, dict[str, object]] = {}

@@ -177,7 +177,8 @@ def test_cpu_training_runs_on_deterministic_kernels_and_restores_the_callers_set
     config = replace(CONFIG, epochs=1, steps_per_epoch=2, log_every=1)
     assert not torch.are_deterministic_algorithms_enabled()
     during: list[bool] = []
-    fit_gat(data, features, config, log_fn=lambda step, metrics: during.append(torch.are_deterministic_algorithms_enabled()))
+    fit_gat(data, features, config,
+            log_fn=lambda step, metrics: during.append(torch.are_deterministic_algorithms_enabled()))
     assert during and all(during)
     assert not torch.are_deterministic_algorithms_enabled()
 
