@@ -212,6 +212,31 @@ def test_two_hop_mc_wrong_options_are_two_edges_away_and_not_reached_by_the_aske
             assert edges.tui[distractor] == edges.tui[item["answer_cuis"][0]], item
 
 
+def test_two_hop_mc_going_up_offers_no_answer_inherited_from_below_the_bridge(items, edges):
+    """"A broader category of Shortened QT interval is a manifestation of which?": a disease with Shortened QT
+    interval (or a sibling under the same bridge) as a manifestation has the broader category too (true-path
+    rule), so it is a correct answer and never a wrong option."""
+    children: dict[str, set[str]] = defaultdict(set)
+    for child, parents in list(edges.parents.items()):
+        for parent in parents:
+            children[parent].add(child)
+    going_up = 0
+    for item in (i for i in items if i["question_type"] == "mc_2hop"):
+        subject, (first, second) = item["seed_cuis"][0], item["relations"]
+        above = edges.objects_worded(subject, first, "via") & edges.ancestors(subject)
+        if not above:
+            continue
+        going_up += 1
+        inheritors = {subject, *children[subject], *(c for b in above for c in children[b])}
+        seconds = edges.worded_alike(second, "described")
+        inverses = {inverse for r in seconds for inverse in edges.inverses(r)}
+        for distractor in set(item["option_cuis"]) - set(item["answer_cuis"]):
+            inherited = [z for z in inheritors if any(distractor in edges.objects[(z, r)] for r in seconds)
+                         or any(z in edges.objects[(distractor, r)] for r in inverses)]
+            assert not inherited, (item["question"], distractor, inherited)
+    assert going_up >= 5, going_up
+
+
 def test_yesno_is_balanced_and_no_means_linked_by_another_relation(items, edges):
     yesno = [item for item in items if item["question_type"] == "yesno"]
     answers = Counter(item["answer"] for item in yesno)
