@@ -98,6 +98,7 @@ def main() -> None:
                                                           batch_size=len(valid))
                 print(f"  {method} / {reader_name}: {time.perf_counter() - t0:.0f} s", flush=True)
             by_reader = {r: {x.qid: x for x in results[method, r]} for r in ("base", "adapted")}
+            options = {item.qid: item.options for item in valid}
             qids = sorted(by_reader["base"])
             diff = paired_difference([float(by_reader["adapted"][q].correct) for q in qids],
                                      [float(by_reader["base"][q].correct) for q in qids])
@@ -108,6 +109,9 @@ def main() -> None:
                                                              ("asked_again", "extra_answer_call"))},
                 **{f"{r}_answers": dict(sorted(_counts(x.prediction for x in results[method, r]).items()))
                    for r in ("base", "adapted")},
+                **{f"{r}_misses": dict(sorted(_counts(
+                    miss_kind(options[x.qid], x.answer, " ".join(s.output for s in x.steps if s.output))
+                    for x in results[method, r] if not x.correct).items())) for r in ("base", "adapted")},
                 # What each reader wrote, to read why it chose (the first answer call and any extra one).
                 "replies": [{"qid": q, "gold": by_reader["base"][q].answer,
                              **{r: [s.output for s in by_reader[r][q].steps if s.output] for r in ("base", "adapted")}}
@@ -129,6 +133,7 @@ def main() -> None:
               f"{row['base_parse_failures']:.2f}/{row['adapted_parse_failures']:.2f}       "
               f"{row['base_asked_again']:.2f}/{row['adapted_asked_again']:.2f}")
         print(f"{'':<16} answers base {row['base_answers']}  adapted {row['adapted_answers']}")
+        print(f"{'':<16} misses base {row['base_misses']}  adapted {row['adapted_misses']}")
 
 
 def gate_check(reader, valid, tools, results, methods) -> dict[str, dict[str, object]]:
@@ -159,6 +164,18 @@ def gate_check(reader, valid, tools, results, methods) -> dict[str, dict[str, ob
     measured("merged, batch 8", 8)
     measured(f"merged, batch {len(valid)}", len(valid))
     return check
+
+
+def miss_kind(options: dict[str, str], gold: str, reply: str) -> str:
+    """Why a wrong answer was wrong, read from the reply's last "answer is ..." (else all of it): it names the
+    gold option's text alone and then another letter (`letter`: the look-up from text to letter failed), names
+    a wrong option (`wrong_option`: it read the wrong fact), several options with the gold (`several`), or none
+    (`no_option`)."""
+    named_part = reply.lower().rsplit("answer is", 1)[-1]
+    named = {letter for letter, text in options.items() if text.lower() in named_part}
+    if named == {gold}:
+        return "letter"
+    return "several" if gold in named else "wrong_option" if named else "no_option"
 
 
 def _counts(values) -> dict[str, int]:
