@@ -49,6 +49,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--gate-check", action="store_true",
                         help="also measure the adapted reader as the asset's gate does (batches of 8, LoRA merged)")
+    parser.add_argument("--champion", action="store_true",
+                        help="fit nothing: measure the home's registered champion adapter (models/reader_adapter)")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "_work" / "reader_adapter.json")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -86,13 +88,17 @@ def main() -> None:
                   flush=True)
         base = load_llm(args.llm, home=args.home)
         started = time.perf_counter()
-        adapted = train_reader_adapter(builtin_model_dir(args.llm, args.home), examples, config, held_out,
-                                       name=f"{args.llm}+reader")
-        print(f"adapter: {adapted.metrics}", flush=True)
+        if args.champion:
+            adapted_reader, metrics = _champion(args.home)
+        else:
+            fitted = train_reader_adapter(builtin_model_dir(args.llm, args.home), examples, config, held_out,
+                                          name=f"{args.llm}+reader")
+            adapted_reader, metrics = fitted.policy, fitted.metrics
+        print(f"adapter: {metrics}", flush=True)
 
         rows, results = {}, {}
         for method in args.methods.split(","):
-            for reader_name, reader in (("base", base), ("adapted", adapted.policy)):
+            for reader_name, reader in (("base", base), ("adapted", adapted_reader)):
                 t0 = time.perf_counter()
                 results[method, reader_name] = run_method(method, valid, tools, reader, make_config(method),
                                                           batch_size=len(valid))
@@ -117,8 +123,8 @@ def main() -> None:
                              **{r: [s.output for s in by_reader[r][q].steps if s.output] for r in ("base", "adapted")}}
                             for q in qids],
             }
-        gate = gate_check(adapted.policy, valid, tools, results, args.methods.split(",")) if args.gate_check else None
-    summary = {"config": config.as_dict(), "examples": dict(counts), "adapter": adapted.metrics,
+        gate = gate_check(adapted_reader, valid, tools, results, args.methods.split(",")) if args.gate_check else None
+    summary = {"config": config.as_dict(), "examples": dict(counts), "adapter": metrics,
                "valid_datasets": datasets, "methods": rows, "gate_check": gate,
                "seconds": time.perf_counter() - started}
     args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -134,6 +140,18 @@ def main() -> None:
               f"{row['base_asked_again']:.2f}/{row['adapted_asked_again']:.2f}")
         print(f"{'':<16} answers base {row['base_answers']}  adapted {row['adapted_answers']}")
         print(f"{'':<16} misses base {row['base_misses']}  adapted {row['adapted_misses']}")
+
+
+def _champion(home: Path) -> tuple[object, dict[str, object]]:
+    """The home's `medgraph-reader-adapter@champion` (what the evaluation's `@adapted` rows answer with)."""
+    from medgraph.eval.readers import load_adapted_reader
+    from medgraph.settings import load_settings
+    from medgraph.tracking import Tracking
+
+    reader, uri = load_adapted_reader(Tracking.from_settings(load_settings({"MEDGRAPH_HOME": str(home)})))
+    if reader is None:
+        raise SystemExit(f"--champion: {uri}")
+    return reader, {"champion": uri}
 
 
 def gate_check(reader, valid, tools, results, methods) -> dict[str, dict[str, object]]:
