@@ -184,6 +184,26 @@ class Chain:
     def about(self, graph: QaGraph) -> str:
         return relation_phrases(self.first).via.format(subject=graph.names[self.subject])
 
+    def inherited_answers(self, graph: QaGraph) -> frozenset[str]:
+        """Correct answers that no edge from a bridge gives, when the first hop goes up the hierarchy.
+
+        "A broader category of Shortened QT interval is a manifestation of which?" asks about Abnormal QT
+        interval; a disease with Shortened QT interval as a manifestation has an abnormal QT interval too (an
+        annotation holds for every ancestor of its term: HPO's true-path rule), so it is a correct answer
+        although no edge links it to the bridge. Read from the concepts under the bridges within the subject's
+        reach (the subject, its children, the bridges' other children); deeper descendants are not walked.
+        Empty when no bridge is above the subject.
+        """
+        above = [b for b in self.bridges if b in graph.ancestors(self.subject)]
+        if not above:
+            return frozenset()
+        inheritors = {self.subject, *graph.children.get(self.subject, ()),
+                      *(c for b in above for c in graph.children.get(b, ()))}
+        seconds = graph.worded_alike(self.second, "described")
+        reached = {o for z in inheritors for r in seconds
+                   for o in (*graph.objects(z, r), *graph.subjects(z, graph.inverse.get(r, "")))}
+        return frozenset(reached - {*self.answers, self.subject, *self.bridges})
+
 
 def two_hop_chains(graph: QaGraph, rng: random.Random, max_answers: int) -> Iterator[Chain]:
     """subject -r1-> bridge -r2-> answer, asked as "<r2 question> about <r1's objects>".

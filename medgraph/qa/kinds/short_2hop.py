@@ -16,8 +16,10 @@ from medgraph.qa.kg_view import SUBJECT_BATCH, QaGraph
 
 def _chain_drafts(graph: QaGraph, rng: random.Random) -> Iterator[Draft]:
     for chain in two_hop_chains(graph, rng, graph.limits.max_answers):
-        answers = chain.answers
-        if structure_answers(graph, (chain.subject,), 2, answers):
+        # An answer the bridge inherits from below it is right too (`Chain.inherited_answers`): accepted, and
+        # counted against the limit on correct concepts and in the adjacency check.
+        answers = (*chain.answers, *by_name(graph, chain.inherited_answers(graph)))
+        if len(answers) > graph.limits.max_answers or structure_answers(graph, (chain.subject,), 2, answers):
             continue
         path = chain.path_to(graph, answers[0])
         yield Draft(
