@@ -68,4 +68,3 @@ def _two_hop_distractors(graph: QaGraph, chain: Chain, answer: str, k: int, rng:
         chosen.append(cui)
         taken_names |= graph.normalized_names[cui]
     return chosen
-
