@@ -97,6 +97,7 @@ def main() -> None:
         print(f"adapter: {metrics}", flush=True)
 
         rows, results = {}, {}
+        options = {item.qid: item.options for item in valid}
         for method in args.methods.split(","):
             for reader_name, reader in (("base", base), ("adapted", adapted_reader)):
                 t0 = time.perf_counter()
@@ -104,7 +105,6 @@ def main() -> None:
                                                           batch_size=len(valid))
                 print(f"  {method} / {reader_name}: {time.perf_counter() - t0:.0f} s", flush=True)
             by_reader = {r: {x.qid: x for x in results[method, r]} for r in ("base", "adapted")}
-            options = {item.qid: item.options for item in valid}
             qids = sorted(by_reader["base"])
             diff = paired_difference([float(by_reader["adapted"][q].correct) for q in qids],
                                      [float(by_reader["base"][q].correct) for q in qids])
