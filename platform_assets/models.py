@@ -184,6 +184,9 @@ class ReaderAdapterConfig(dg.Config):
     (the default); names as `medgraph.rl.reader.LAYOUTS`."""
     no_evidence_share: float | None = None
     """Share of the multiple-choice examples shown no evidence at all (target: nothing found); 0.1 by default."""
+    answer_form: str | None = None
+    """How targets name the answer: "text" (the option's text in the answer tag; the profiles' default) or "letter"
+    (the text, then its letter); `medgraph.rl.reader.name_the_option`."""
     seed: int = 0
     device: str = "auto"
 
@@ -192,6 +195,7 @@ class ReaderAdapterConfig(dg.Config):
                                       **{k: v for k, v in (("valid_items", self.valid_items),
                                                            ("gold_share", self.gold_share),
                                                            ("no_evidence_share", self.no_evidence_share),
+                                                           ("answer_form", self.answer_form),
                                                            ("layouts", self.layouts and tuple(self.layouts.items())))
                                          if v is not None})
         return config.but(seed=self.seed, device=self.device,

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from medgraph.kg.graph import KnowledgeGraph, Triple
+from medgraph.methods.common import parse_answer
 from medgraph.qa.item import QaItem
 from medgraph.rl.reader import (
     NOT_FOUND,
@@ -20,7 +21,7 @@ from medgraph.rl.reader import (
     reader_examples,
     train_reader_adapter,
 )
-from medgraph.rl.sft import SftConfig
+from medgraph.rl.sft import SftConfig, lr_factor
 from medgraph.storage import Warehouse
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -106,6 +107,18 @@ def test_targets_quote_the_fact_and_name_no_number(graph: KnowledgeGraph):
         (example,), _ = reader_examples(graph, [item], config, frozenset())
         assert example.conversation[2].content == (f"The evidence states that {gold.text}. "
                                                    "The answer is answer, option A. <answer>A</answer>")
+
+
+def test_the_text_form_answers_with_the_option_text_that_every_parser_reads_as_its_letter(graph: KnowledgeGraph):
+    item, gold, _ = mc_item(graph)
+    item = replace(item, options={**item.options, "A": gold.dst_name})
+    config = ReaderConfig(gold_share=1.0, layouts=KG_FACTS, answer_form="text")
+    (example,), _ = reader_examples(graph, [item], config, frozenset())
+    target = example.conversation[2].content
+    assert target == f"The evidence states that {gold.text}. The answer is <answer>{gold.dst_name}</answer>."
+    assert parse_answer(target, item) == "A"
+    with pytest.raises(ValueError, match="answer_form"):
+        ReaderConfig(answer_form="number")
 
 
 def test_a_share_of_examples_is_shown_no_evidence_and_says_so(graph: KnowledgeGraph):
@@ -194,6 +207,16 @@ def test_the_adapter_learns_the_targets_and_leaves_the_base_weights_alone(graph:
     name, weight = next((n, p) for n, p in base.named_parameters() if n.endswith("q_proj.weight"))
     adapted_base = next(p for n, p in trained.items() if n.endswith(name.replace("q_proj.weight", "q_proj.base_layer.weight")))
     assert torch.equal(weight, adapted_base)
+
+
+def test_each_step_trains_at_its_scheduled_rate(graph: KnowledgeGraph, tiny_reader_dir: Path):
+    items = [mc_item(graph, f"q{i}")[0] for i in range(2)]
+    fit = SftConfig(steps=4, batch_size=2, micro_batch_size=2, lr=1e-3, lr_schedule="cosine", warmup_steps=1,
+                    lora_r=4, lora_alpha=8, device="cpu", bf16=False)
+    examples, _ = reader_examples(graph, items, ReaderConfig(fit=fit), frozenset())
+    result = train_reader_adapter(tiny_reader_dir, examples, ReaderConfig(fit=fit), frozenset())
+    assert [round(h["lr"], 9) for h in result.history] == [round(1e-3 * lr_factor(s, fit), 9) for s in range(1, 5)]
+    assert result.history[0]["lr"] == pytest.approx(1e-3) and result.history[-1]["lr"] == pytest.approx(1e-4)
 
 
 def test_a_long_two_hop_target_quotes_only_the_fact_that_names_the_answer():

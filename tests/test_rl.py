@@ -10,6 +10,7 @@ is GRPO working (rollouts, masks, advantages, the update), not SFT.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import threading
 from collections.abc import Iterator
@@ -73,7 +74,7 @@ from medgraph.rl.rollout import (
     validation_key,
 )
 from medgraph.rl.scale import VllmRollouts
-from medgraph.rl.sft import SftConfig, expert_demonstrations, train_sft
+from medgraph.rl.sft import SftConfig, expert_demonstrations, lr_factor, train_sft
 from medgraph.storage import Warehouse
 from medgraph.tracking import GRAPH_R1_POLICY_MODEL, GRAPH_R1_SFT_MODEL, Tracking
 from platform_assets.policy import GraphR1PolicyConfig, GraphR1SftConfig, graph_r1_policy, graph_r1_sft
@@ -230,6 +231,19 @@ def test_loss_weights_average_per_episode_or_per_token():
     assert sum(w * n for w, n in zip(loss_weights([2, 6], token_level=True), [2, 6], strict=True)) == pytest.approx(1)
     per_episode = loss_weights([2, 6], token_level=False)
     assert per_episode[0] * 2 == pytest.approx(0.5) and per_episode[1] * 6 == pytest.approx(0.5)
+
+
+def test_the_cosine_schedule_warms_up_then_decays_to_a_tenth_and_constant_stays_put():
+    cosine = SftConfig(steps=10, lr_schedule="cosine", warmup_steps=2)
+    factors = [lr_factor(step, cosine) for step in range(1, 11)]
+    assert factors[:2] == [0.5, 1.0]  # warm-up reaches the full rate on its last step
+    assert all(a > b for a, b in itertools.pairwise(factors[1:]))  # then only decays ...
+    assert factors[-1] == pytest.approx(0.1)  # ... to a tenth at the last step
+    assert {lr_factor(step, SftConfig(steps=10)) for step in range(1, 11)} == {1.0}
+    with pytest.raises(ValueError, match="lr_schedule"):
+        SftConfig(lr_schedule="linear")
+    with pytest.raises(ValueError, match="warmup_steps"):
+        SftConfig(steps=4, lr_schedule="cosine", warmup_steps=4)
 
 
 @pytest.mark.parametrize("profile", sorted(GRPO_PROFILES))

@@ -16,7 +16,8 @@ methods' answering calls use (`LAYOUTS`, drawn per example):
                 their subject, and the other options' concepts described without relations
 
     gold shown     RAFT's form, quoting the evidence: "The evidence states that amlodipine may treat
-                    Hypertension. The answer is amlodipine, option A. <answer>A</answer>"
+                    Hypertension. The answer is amlodipine, option A. <answer>A</answer>"; with
+                    `answer_form="text"`: "... The answer is <answer>amlodipine</answer>." (`name_the_option`)
     a "no" item    "No fact states that. The answer is no, option B. <answer>B</answer>"  (absent by design)
     gold withheld  "None of the facts answers the question."         (multiple choice only; no answer tag;
                                                                       "documents" in the documents layout)
@@ -66,6 +67,7 @@ NOT_FOUND_DOCUMENTS = "None of the documents answers the question."
 # The answering-call layouts the examples are drawn from (module doc), and the default share of each.
 LAYOUTS = ("kg_facts", "a2rag", "documents")
 DEFAULT_LAYOUTS = (("kg_facts", 0.4), ("a2rag", 0.3), ("documents", 0.3))
+ANSWER_FORMS = ("letter", "text")
 
 
 @dataclass(frozen=True)
@@ -80,6 +82,8 @@ class ReaderConfig:
     no_evidence_share: float = 0.1
     fit: SftConfig = field(default_factory=lambda: SftConfig(
         steps=60, batch_size=8, micro_batch_size=4, lr=1e-3, lora_r=16, lora_alpha=32, lora_layers=None))
+    # How a target names its answer (`name_the_option`): "letter" (the text, then its letter in the tag) or "text".
+    answer_form: str = "letter"
     valid_dataset: str = "kgqa_mc"  # the gate's questions: the first `valid_items` of this validation dataset
     valid_items: int = 48
     seed: int = 0
@@ -89,6 +93,8 @@ class ReaderConfig:
         if unknown or not self.layouts or any(weight <= 0 for _, weight in self.layouts):
             raise ValueError(f"reader layouts must be (name, weight > 0) pairs with names among {LAYOUTS}; "
                              f"got {self.layouts}")
+        if self.answer_form not in ANSWER_FORMS:
+            raise ValueError(f"reader answer_form must be one of {ANSWER_FORMS}, got {self.answer_form!r}")
         # Shares are probabilities: a value over 1 would silently make every multiple-choice example evidence-free.
         for name in ("gold_share", "no_evidence_share"):
             if not 0.0 <= getattr(self, name) <= 1.0:
@@ -104,10 +110,11 @@ class ReaderConfig:
 
     def as_dict(self) -> dict[str, object]:
         fit = {f"fit_{k}": v for k, v in asdict(self.fit).items()
-               if k in ("steps", "batch_size", "micro_batch_size", "lr", "lora_r", "lora_alpha", "lora_layers")}
+               if k in ("steps", "batch_size", "micro_batch_size", "lr", "lr_schedule", "warmup_steps", "lora_r",
+                        "lora_alpha", "lora_layers")}
         return {"gold_share": self.gold_share, "max_wrong": self.max_wrong,
                 "layouts": ",".join(f"{name}:{weight:g}" for name, weight in self.layouts),
-                "no_evidence_share": self.no_evidence_share,
+                "no_evidence_share": self.no_evidence_share, "answer_form": self.answer_form,
                 "valid_dataset": self.valid_dataset,
                 "valid_items": self.valid_items, "seed": self.seed, **fit}
 
@@ -151,12 +158,18 @@ def held_out_pairs(items: Iterable[QaItem]) -> frozenset[Pair]:
     return frozenset(pair for item in items for pair in question_pairs(item))
 
 
-def name_the_option(item: QaItem) -> str:
-    """The end of a target: the answer's text, then its letter ("The answer is Hypertension, option C.
+def name_the_option(item: QaItem, answer_form: str = "letter") -> str:
+    """The end of a target. `letter`: the answer's text, then its letter ("The answer is Hypertension, option C.
     <answer>C</answer>"). Written in that order the letter is a look-up of the option list ("C. Hypertension"),
     which the first adapter, trained on the letter alone after its citation, never learned: it cited the right
-    fact and answered A regardless."""
-    return f"The answer is {item.options[item.answer]}, option {item.answer}. <answer>{item.answer}</answer>"
+    fact and answered A regardless. `text`: the option's text in the tag ("The answer is
+    <answer>Hypertension</answer>."), which every method's parser reads as that option (`parse_answer`): a copy
+    of the text it just quoted instead of the look-up back from text to letter, which is where the letter form's
+    adapters miss most (benchmarks/README.md, run 11)."""
+    text = item.options[item.answer]
+    if answer_form == "text":
+        return f"The answer is <answer>{text}</answer>."
+    return f"The answer is {text}, option {item.answer}. <answer>{item.answer}</answer>"
 
 
 # A target longer than this (about 50 SmolLM2 tokens) would be cut by the methods' 64-token answer budget before it names
@@ -164,16 +177,17 @@ def name_the_option(item: QaItem) -> str:
 TARGET_CHARS = 200
 
 
-def _quoting_target(item: QaItem, cited: Sequence[Triple]) -> str:
+def _quoting_target(item: QaItem, cited: Sequence[Triple], answer_form: str = "letter") -> str:
     """"The evidence states that <fact>; and that <fact>. The answer is ...": RAFT's form (the answer quotes the
     evidence, no pointer to it), so the model chooses what to quote by its content rather than a number first;
     only the fact touching an answer concept when the whole would not fit the answer budget."""
-    target = f"The evidence states that {'; and that '.join(t.text for t in cited)}. {name_the_option(item)}"
+    ending = name_the_option(item, answer_form)
+    target = f"The evidence states that {'; and that '.join(t.text for t in cited)}. {ending}"
     answers = set(item.extra.get("answer_cuis") or ())
     naming_answer = [t for t in cited if {t.src_cui, t.dst_cui} & answers]
     if len(target) <= TARGET_CHARS or not naming_answer or len(naming_answer) == len(cited):
         return target
-    return f"The evidence states that {naming_answer[0].text}. {name_the_option(item)}"
+    return f"The evidence states that {naming_answer[0].text}. {ending}"
 
 
 def concept_texts(facts: Sequence[Triple], described: Sequence[str], nodes: dict[str, Node],
@@ -252,9 +266,10 @@ def reader_examples(graph: KnowledgeGraph, items: Sequence[QaItem], config: Read
         if withhold:
             target = NOT_FOUND if unit == "fact" else NOT_FOUND_DOCUMENTS
         elif has_gold:
-            target = _quoting_target(item, [t for t, gold in zip(kept, is_gold, strict=True) if gold])
+            target = _quoting_target(item, [t for t, gold in zip(kept, is_gold, strict=True) if gold],
+                                     config.answer_form)
         else:  # a "no" question: the fact it asks about is absent by design
-            target = f"No {unit} states that. {name_the_option(item)}"
+            target = f"No {unit} states that. {name_the_option(item, config.answer_form)}"
         stats["gold_withheld" if withhold else "gold_shown"] += 1
         stats[f"layout_{layout}"] += 1
         examples.append(ReaderExample(item.qid, [*conversation, assistant(target)], not withhold,

@@ -28,6 +28,7 @@ the same masks as GRPO), token-averaged over each batch.
 from __future__ import annotations
 
 import logging
+import math
 import random
 import time
 from collections import Counter
@@ -189,12 +190,19 @@ def _next_move(i: int, expert: Expert, step: EnvStep | None, moves: dict[int, st
 # --------------------------------------------------------------------------- training
 
 
+LR_SCHEDULES = ("constant", "cosine")
+
+
 @dataclass(frozen=True)
 class SftConfig:
     steps: int = 200
     batch_size: int = 8
     micro_batch_size: int = 4
     lr: float = 2e-5
+    # "constant", or "cosine": linear warm-up over `warmup_steps`, then a cosine decay to lr / 10 at the last step
+    # (nanoGPT's schedule). A constant rate ends wherever its last noisy step left the weights.
+    lr_schedule: str = "constant"
+    warmup_steps: int = 0
     weight_decay: float = 0.0
     max_grad_norm: float = 1.0
     lora_r: int = 0  # 0: full fine-tuning
@@ -211,6 +219,11 @@ class SftConfig:
     device: str = "auto"
     bf16: bool = True  # autocast on CUDA and on CPUs with native bf16
     progress: bool = False
+
+    def __post_init__(self) -> None:
+        if self.lr_schedule not in LR_SCHEDULES or not 0 <= self.warmup_steps < max(self.steps, 1):
+            raise ValueError(f"lr_schedule must be one of {LR_SCHEDULES} with 0 <= warmup_steps < steps; got "
+                             f"{self.lr_schedule!r}, warmup_steps={self.warmup_steps}, steps={self.steps}")
 
     @classmethod
     def profile(cls, name: str, **overrides: object) -> SftConfig:
@@ -262,17 +275,29 @@ def train_sft(model_dir: str | Path, demonstrations: Sequence[GraphR1State], con
     return SftResult(policy, {**metrics, "demonstrations_used": float(len(usable))}, history)
 
 
+def lr_factor(step: int, config: SftConfig) -> float:
+    """The learning rate of 1-based `step` as a share of `config.lr`."""
+    if config.lr_schedule == "constant":
+        return 1.0
+    if step <= config.warmup_steps:
+        return step / config.warmup_steps
+    progress = (step - config.warmup_steps) / max(config.steps - config.warmup_steps, 1)
+    return 0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * min(progress, 1.0)))
+
+
 def fit_replies(policy: TransformersChatModel, encoded: Sequence[EncodedConversation], config: SftConfig,
                 log_fn: Callable[[int, dict[str, float]], None] | None = None,
                 desc: str = "sft") -> tuple[list[dict[str, float]], dict[str, float]]:
     """`config.steps` AdamW steps of masked maximum likelihood of the replies in `encoded` (token-averaged over
     each batch of `config.batch_size` conversations, in epochs over a seeded shuffle); the per-step history and
     its summary (first and last train NLL, seconds).
-    Only `config`'s optimisation fields are read (steps, batch sizes, lr, weight decay, clipping, seed, bf16)."""
+    Only `config`'s optimisation fields are read (steps, batch sizes, lr and its schedule, weight decay, clipping,
+    seed, bf16)."""
     started = time.perf_counter()
     torch.manual_seed(config.seed)
     rng = random.Random(config.seed)
     optimizer = torch.optim.AdamW(trainable_parameters(policy.model), lr=config.lr, weight_decay=config.weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda done: lr_factor(done + 1, config))
     order: list[int] = []
     history: list[dict[str, float]] = []
     policy.model.train()
@@ -294,8 +319,10 @@ def fit_replies(policy: TransformersChatModel, encoded: Sequence[EncodedConversa
             loss.backward()
             total += float(loss.detach())
         grad_norm = float(torch.nn.utils.clip_grad_norm_(trainable_parameters(policy.model), config.max_grad_norm))
+        lr = optimizer.param_groups[0]["lr"]
         optimizer.step()
-        record = {"train_nll": total, "grad_norm": grad_norm, "policy_tokens": float(tokens)}
+        scheduler.step()
+        record = {"train_nll": total, "grad_norm": grad_norm, "policy_tokens": float(tokens), "lr": lr}
         history.append({"step": step, **record})
         if log_fn:
             log_fn(step, record)
