@@ -35,16 +35,16 @@ def main() -> None:
     parser.add_argument("--llm", default="smollm2-135m-instruct")
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--batch-size", type=int, default=8)
-    parser.add_argument("--lr", type=float, default=1e-3)
-    parser.add_argument("--lr-schedule", default="constant", help="constant, or cosine (warm-up, then decay to lr/10)")
-    parser.add_argument("--warmup", type=int, default=0, help="warm-up steps of the cosine schedule")
+    parser.add_argument("--lr", type=float, default=2e-3)
+    parser.add_argument("--lr-schedule", default="cosine", help="constant, or cosine (warm-up, then decay to lr/10)")
+    parser.add_argument("--warmup-share", type=float, default=0.1, help="share of the steps the cosine schedule warms up")
     parser.add_argument("--lora-layers", type=int, default=None, help="adapt only the top N blocks (default: all)")
     parser.add_argument("--gold-share", type=float, default=0.8)
     parser.add_argument("--layouts", default="kg_facts:0.4,a2rag:0.3,documents:0.3",
                         help="answering-call layouts of the examples and their weights (medgraph.rl.reader.LAYOUTS)")
     parser.add_argument("--no-evidence-share", type=float, default=0.1,
                         help="share of multiple-choice examples shown no evidence at all (target: nothing found)")
-    parser.add_argument("--answer-form", default="letter", choices=("letter", "text"),
+    parser.add_argument("--answer-form", default="text", choices=("letter", "text"),
                         help="how targets name the answer: its text then its letter, or its text in the tag")
     parser.add_argument("--valid", type=int, default=48, help="validation questions per dataset")
     parser.add_argument("--datasets", default="kgqa_mc", help="validation datasets (comma-separated)")
@@ -75,7 +75,7 @@ def main() -> None:
     config = ReaderConfig(gold_share=args.gold_share, layouts=layouts, no_evidence_share=args.no_evidence_share,
                           answer_form=args.answer_form, seed=args.seed)
     config = replace(config, fit=replace(config.fit, steps=args.steps, batch_size=args.batch_size, lr=args.lr,
-                                         lr_schedule=args.lr_schedule, warmup_steps=args.warmup,
+                                         lr_schedule=args.lr_schedule, warmup_share=args.warmup_share,
                                          lora_layers=args.lora_layers, seed=args.seed, progress=True))
     train = load_qa_items(warehouse, "train")
     held_out = held_out_pairs([*load_qa_items(warehouse, "validation"), *load_qa_items(warehouse, "test")])

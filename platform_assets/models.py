@@ -202,7 +202,7 @@ class ReaderAdapterConfig(dg.Config):
                           **{k: v for k, v in (("steps", self.steps), ("lr", self.lr)) if v is not None})
 
 
-@gpu_model_asset("reader_adapter", READER_INPUTS, code_version="2")
+@gpu_model_asset("reader_adapter", READER_INPUTS, code_version="3")
 def reader_adapter(context: dg.AssetExecutionContext, config: ReaderAdapterConfig, warehouse: WarehouseResource,
                    encoder: EncoderResource, llm: LlmResource, mlflow_tracking: MlflowResource,
                    training: TrainingResource) -> dg.MaterializeResult:

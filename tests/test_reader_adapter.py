@@ -103,7 +103,7 @@ def test_targets_quote_the_fact_and_name_no_number(graph: KnowledgeGraph):
     """RAFT's form: the target quotes the gold fact ("The evidence states that ...") in every layout."""
     item, gold, _ = mc_item(graph)
     for layout in ("kg_facts", "a2rag", "documents"):
-        config = ReaderConfig(gold_share=1.0, layouts=((layout, 1.0),))
+        config = ReaderConfig(gold_share=1.0, layouts=((layout, 1.0),), answer_form="letter")
         (example,), _ = reader_examples(graph, [item], config, frozenset())
         assert example.conversation[2].content == (f"The evidence states that {gold.text}. "
                                                    "The answer is answer, option A. <answer>A</answer>")
@@ -112,9 +112,8 @@ def test_targets_quote_the_fact_and_name_no_number(graph: KnowledgeGraph):
 def test_the_text_form_answers_with_the_option_text_that_every_parser_reads_as_its_letter(graph: KnowledgeGraph):
     item, gold, _ = mc_item(graph)
     item = replace(item, options={**item.options, "A": gold.dst_name})
-    config = ReaderConfig(gold_share=1.0, layouts=KG_FACTS, answer_form="text")
-    (example,), _ = reader_examples(graph, [item], config, frozenset())
-    target = example.conversation[2].content
+    (example,), _ = reader_examples(graph, [item], ReaderConfig(gold_share=1.0, layouts=KG_FACTS), frozenset())
+    target = example.conversation[2].content  # the default form
     assert target == f"The evidence states that {gold.text}. The answer is <answer>{gold.dst_name}</answer>."
     assert parse_answer(target, item) == "A"
     with pytest.raises(ValueError, match="answer_form"):
@@ -150,7 +149,7 @@ def test_a_yes_no_item_always_shows_its_fact(graph: KnowledgeGraph):
     item, _, _ = mc_item(graph)
     yes_no = replace(item, options={"A": "yes", "B": "no"}, extra={**item.extra, "option_cuis": []})
     (example,), _ = reader_examples(graph, [yes_no], ReaderConfig(gold_share=0.0), frozenset())
-    assert example.gold_shown and example.conversation[2].content.endswith("The answer is yes, option A. <answer>A</answer>")
+    assert example.gold_shown and example.conversation[2].content.endswith("The answer is <answer>yes</answer>.")
 
 
 def test_facts_of_held_out_questions_never_reach_the_examples(graph: KnowledgeGraph):
@@ -211,7 +210,7 @@ def test_the_adapter_learns_the_targets_and_leaves_the_base_weights_alone(graph:
 
 def test_each_step_trains_at_its_scheduled_rate(graph: KnowledgeGraph, tiny_reader_dir: Path):
     items = [mc_item(graph, f"q{i}")[0] for i in range(2)]
-    fit = SftConfig(steps=4, batch_size=2, micro_batch_size=2, lr=1e-3, lr_schedule="cosine", warmup_steps=1,
+    fit = SftConfig(steps=4, batch_size=2, micro_batch_size=2, lr=1e-3, lr_schedule="cosine", warmup_share=0.25,
                     lora_r=4, lora_alpha=8, device="cpu", bf16=False)
     examples, _ = reader_examples(graph, items, ReaderConfig(fit=fit), frozenset())
     result = train_reader_adapter(tiny_reader_dir, examples, ReaderConfig(fit=fit), frozenset())
@@ -230,10 +229,10 @@ def test_a_long_two_hop_target_quotes_only_the_fact_that_names_the_answer():
     item = QaItem("kgqa_mc", "q", "Which disease shares a manifestation with ...?",
                   {"A": "x", "B": "Ebstein anomaly of the tricuspid valve", "C": "y", "D": "z"}, "B",
                   extra={"answer_cuis": ["C9"]})
-    target = _quoting_target(item, facts[:2])
+    target = _quoting_target(item, facts[:2], "letter")
     full = f"The evidence states that {facts[0].text}; and that {facts[1].text}."
     assert len(full) > TARGET_CHARS and len(target) < len(full)
     assert target.startswith("The evidence states that Ebstein anomaly")
     assert target.endswith("option B. <answer>B</answer>")
     short = [Triple("e1", "C1", "X", "r", "C2", "Y"), Triple("e2", "C9", "Z", "r", "C2", "Y")]
-    assert _quoting_target(item, short).startswith("The evidence states that X r Y; and that Z r Y.")
+    assert _quoting_target(item, short, "letter").startswith("The evidence states that X r Y; and that Z r Y.")

@@ -234,7 +234,7 @@ def test_loss_weights_average_per_episode_or_per_token():
 
 
 def test_the_cosine_schedule_warms_up_then_decays_to_a_tenth_and_constant_stays_put():
-    cosine = SftConfig(steps=10, lr_schedule="cosine", warmup_steps=2)
+    cosine = SftConfig(steps=10, lr_schedule="cosine", warmup_share=0.2)
     factors = [lr_factor(step, cosine) for step in range(1, 11)]
     assert factors[:2] == [0.5, 1.0]  # warm-up reaches the full rate on its last step
     assert all(a > b for a, b in itertools.pairwise(factors[1:]))  # then only decays ...
@@ -242,8 +242,10 @@ def test_the_cosine_schedule_warms_up_then_decays_to_a_tenth_and_constant_stays_
     assert {lr_factor(step, SftConfig(steps=10)) for step in range(1, 11)} == {1.0}
     with pytest.raises(ValueError, match="lr_schedule"):
         SftConfig(lr_schedule="linear")
-    with pytest.raises(ValueError, match="warmup_steps"):
-        SftConfig(steps=4, lr_schedule="cosine", warmup_steps=4)
+    with pytest.raises(ValueError, match="warmup_share"):
+        SftConfig(lr_schedule="cosine", warmup_share=1.0)
+    short = SftConfig(steps=5, lr_schedule="cosine", warmup_share=0.1)  # fewer steps than would warm up: none do
+    assert lr_factor(1, short) == 1.0 and lr_factor(5, short) == pytest.approx(0.1)
 
 
 @pytest.mark.parametrize("profile", sorted(GRPO_PROFILES))

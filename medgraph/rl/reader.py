@@ -16,9 +16,10 @@ methods' answering calls use (`LAYOUTS`, drawn per example):
                 their subject, and the other options' concepts described without relations
 
     gold shown     RAFT's form, quoting the evidence: "The evidence states that amlodipine may treat
-                    Hypertension. The answer is amlodipine, option A. <answer>A</answer>"; with
-                    `answer_form="text"`: "... The answer is <answer>amlodipine</answer>." (`name_the_option`)
-    a "no" item    "No fact states that. The answer is no, option B. <answer>B</answer>"  (absent by design)
+                    Hypertension. The answer is <answer>amlodipine</answer>." (the option's text, which every
+                    method's parser reads as its letter; `answer_form="letter"`: "... The answer is amlodipine,
+                    option A. <answer>A</answer>", `name_the_option`)
+    a "no" item    "No fact states that. The answer is <answer>no</answer>."  (absent by design)
     gold withheld  "None of the facts answers the question."         (multiple choice only; no answer tag;
                                                                       "documents" in the documents layout)
     no evidence    the same, for a share (`no_evidence_share`) shown nothing at all
@@ -80,10 +81,12 @@ class ReaderConfig:
     # Multiple-choice examples shown no evidence at all (target: nothing found); without them the quoting reader
     # writes "The evidence states that ..." over no evidence and answers from what it learned (+0.15 on `cot`).
     no_evidence_share: float = 0.1
-    fit: SftConfig = field(default_factory=lambda: SftConfig(
-        steps=60, batch_size=8, micro_batch_size=4, lr=1e-3, lora_r=16, lora_alpha=32, lora_layers=None))
-    # How a target names its answer (`name_the_option`): "letter" (the text, then its letter in the tag) or "text".
-    answer_form: str = "letter"
+    fit: SftConfig = field(default_factory=lambda: SftConfig(  # the demo profile's fit
+        steps=60, batch_size=8, micro_batch_size=4, lr=2e-3, lr_schedule="cosine", warmup_share=0.1,
+        lora_r=16, lora_alpha=32, lora_layers=None))
+    # How a target names its answer (`name_the_option`): "text" (the option's text in the tag) or "letter" (the
+    # text, then its letter in the tag, which the adapters look up one line early: run 11).
+    answer_form: str = "text"
     valid_dataset: str = "kgqa_mc"  # the gate's questions: the first `valid_items` of this validation dataset
     valid_items: int = 48
     seed: int = 0
@@ -110,7 +113,7 @@ class ReaderConfig:
 
     def as_dict(self) -> dict[str, object]:
         fit = {f"fit_{k}": v for k, v in asdict(self.fit).items()
-               if k in ("steps", "batch_size", "micro_batch_size", "lr", "lr_schedule", "warmup_steps", "lora_r",
+               if k in ("steps", "batch_size", "micro_batch_size", "lr", "lr_schedule", "warmup_share", "lora_r",
                         "lora_alpha", "lora_layers")}
         return {"gold_share": self.gold_share, "max_wrong": self.max_wrong,
                 "layouts": ",".join(f"{name}:{weight:g}" for name, weight in self.layouts),
@@ -122,11 +125,14 @@ class ReaderConfig:
 READER_PROFILES = {
     "tiny": ReaderConfig(fit=SftConfig(steps=2, batch_size=2, micro_batch_size=1, lr=1e-3, lora_r=8, lora_alpha=16,
                                        lora_layers=2), valid_items=4),
-    # `make demo` on 2 CPU cores: 60 steps of 8 examples (~9 s a step); measured in benchmarks/README.md.
-    "demo": ReaderConfig(fit=SftConfig(steps=60, batch_size=8, micro_batch_size=4, lr=1e-3, lora_r=16,
-                                       lora_alpha=32, progress=True), valid_items=48),
-    "full": ReaderConfig(fit=SftConfig(steps=600, batch_size=16, micro_batch_size=8, lr=2e-4, lora_r=16,
-                                       lora_alpha=32, progress=True), valid_items=200),
+    # `make demo` on 2 CPU cores: 60 steps of 8 examples (~6-9 s a step). A constant 1e-3 ends where its last
+    # batches leave it (validation 0.50-0.79 over three seeds, one fit answering "none found" to 29 of 48); a
+    # cosine decay from 2e-3 ends calm. benchmarks/README.md `reader_adapter.py`, run 11.
+    "demo": ReaderConfig(fit=SftConfig(steps=60, batch_size=8, micro_batch_size=4, lr=2e-3, lr_schedule="cosine",
+                                       warmup_share=0.1, lora_r=16, lora_alpha=32, progress=True), valid_items=48),
+    # Not measured at this size: the demo's schedule at the full profile's rate.
+    "full": ReaderConfig(fit=SftConfig(steps=600, batch_size=16, micro_batch_size=8, lr=2e-4, lr_schedule="cosine",
+                                       warmup_share=0.05, lora_r=16, lora_alpha=32, progress=True), valid_items=200),
 }
 
 
@@ -158,7 +164,7 @@ def held_out_pairs(items: Iterable[QaItem]) -> frozenset[Pair]:
     return frozenset(pair for item in items for pair in question_pairs(item))
 
 
-def name_the_option(item: QaItem, answer_form: str = "letter") -> str:
+def name_the_option(item: QaItem, answer_form: str) -> str:
     """The end of a target. `letter`: the answer's text, then its letter ("The answer is Hypertension, option C.
     <answer>C</answer>"). Written in that order the letter is a look-up of the option list ("C. Hypertension"),
     which the first adapter, trained on the letter alone after its citation, never learned: it cited the right
@@ -177,7 +183,7 @@ def name_the_option(item: QaItem, answer_form: str = "letter") -> str:
 TARGET_CHARS = 200
 
 
-def _quoting_target(item: QaItem, cited: Sequence[Triple], answer_form: str = "letter") -> str:
+def _quoting_target(item: QaItem, cited: Sequence[Triple], answer_form: str) -> str:
     """"The evidence states that <fact>; and that <fact>. The answer is ...": RAFT's form (the answer quotes the
     evidence, no pointer to it), so the model chooses what to quote by its content rather than a number first;
     only the fact touching an answer concept when the whole would not fit the answer budget."""

@@ -199,10 +199,10 @@ class SftConfig:
     batch_size: int = 8
     micro_batch_size: int = 4
     lr: float = 2e-5
-    # "constant", or "cosine": linear warm-up over `warmup_steps`, then a cosine decay to lr / 10 at the last step
-    # (nanoGPT's schedule). A constant rate ends wherever its last noisy step left the weights.
+    # "constant", or "cosine": linear warm-up over the first `warmup_share` of the steps, then a cosine decay to
+    # lr / 10 at the last step (nanoGPT's schedule). A constant rate ends wherever its last noisy step left the weights.
     lr_schedule: str = "constant"
-    warmup_steps: int = 0
+    warmup_share: float = 0.0  # a share, so that a run with fewer steps keeps the schedule's shape
     weight_decay: float = 0.0
     max_grad_norm: float = 1.0
     lora_r: int = 0  # 0: full fine-tuning
@@ -221,9 +221,9 @@ class SftConfig:
     progress: bool = False
 
     def __post_init__(self) -> None:
-        if self.lr_schedule not in LR_SCHEDULES or not 0 <= self.warmup_steps < max(self.steps, 1):
-            raise ValueError(f"lr_schedule must be one of {LR_SCHEDULES} with 0 <= warmup_steps < steps; got "
-                             f"{self.lr_schedule!r}, warmup_steps={self.warmup_steps}, steps={self.steps}")
+        if self.lr_schedule not in LR_SCHEDULES or not 0.0 <= self.warmup_share < 1.0:
+            raise ValueError(f"lr_schedule must be one of {LR_SCHEDULES} with 0 <= warmup_share < 1; got "
+                             f"{self.lr_schedule!r}, warmup_share={self.warmup_share}")
 
     @classmethod
     def profile(cls, name: str, **overrides: object) -> SftConfig:
@@ -279,9 +279,11 @@ def lr_factor(step: int, config: SftConfig) -> float:
     """The learning rate of 1-based `step` as a share of `config.lr`."""
     if config.lr_schedule == "constant":
         return 1.0
-    if step <= config.warmup_steps:
-        return step / config.warmup_steps
-    progress = (step - config.warmup_steps) / max(config.steps - config.warmup_steps, 1)
+    warmup = int(config.warmup_share * config.steps)
+    if step <= warmup:
+        return step / warmup
+    peak = max(warmup, 1)  # the step at the full rate: the warm-up's last, or the first
+    progress = (step - peak) / max(config.steps - peak, 1)
     return 0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * min(progress, 1.0)))
 
 
