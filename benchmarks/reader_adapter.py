@@ -46,6 +46,10 @@ def main() -> None:
                         help="share of multiple-choice examples shown no evidence at all (target: nothing found)")
     parser.add_argument("--answer-form", default="text", choices=("letter", "text"),
                         help="how targets name the answer: its text then its letter, or its text in the tag")
+    parser.add_argument("--fact-wording", default="label", choices=("label", "clause"),
+                        help="a probe: show facts with their relation's label, as the KG does ('X inverse isa Y'), "
+                             "or with `relation_phrases`' clause ('X has Y as a specific kind'), in training and "
+                             "validation alike (patches `Triple.text` in this process only)")
     parser.add_argument("--valid", type=int, default=48, help="validation questions per dataset")
     parser.add_argument("--datasets", default="kgqa_mc", help="validation datasets (comma-separated)")
     parser.add_argument("--methods", default="oracle-evidence,cot")
@@ -58,6 +62,8 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "_work" / "reader_adapter.json")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    if args.fact_wording == "clause":
+        _word_facts_as_clauses()
 
     from medgraph.embed.encoder import load_encoder
     from medgraph.llm import load_llm
@@ -145,6 +151,14 @@ def main() -> None:
               f"{row['base_asked_again']:.2f}/{row['adapted_asked_again']:.2f}")
         print(f"{'':<16} answers base {row['base_answers']}  adapted {row['adapted_answers']}")
         print(f"{'':<16} misses base {row['base_misses']}  adapted {row['adapted_misses']}")
+
+
+def _word_facts_as_clauses() -> None:
+    """Every fact shown in this process reads "<subject> <clause>" (`relation_phrases(relation).clause`)."""
+    from medgraph.kg.graph import Triple
+    from medgraph.kg.relation_phrases import relation_phrases
+
+    Triple.text = property(lambda t: f"{t.src_name} {relation_phrases(t.relation).clause.format(object=t.dst_name)}")
 
 
 def _champion(home: Path) -> tuple[object, dict[str, object]]:
