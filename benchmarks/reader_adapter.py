@@ -28,6 +28,8 @@ from pathlib import Path
 
 import torch
 
+from medgraph.rl.reader import ANSWER_FORMS, DEMO_FIT, ReaderConfig
+
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -35,16 +37,18 @@ def main() -> None:
     parser.add_argument("--llm", default="smollm2-135m-instruct")
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--batch-size", type=int, default=8)
-    parser.add_argument("--lr", type=float, default=2e-3)
-    parser.add_argument("--lr-schedule", default="cosine", help="constant, or cosine (warm-up, then decay to lr/10)")
-    parser.add_argument("--warmup-share", type=float, default=0.1, help="share of the steps the cosine schedule warms up")
+    parser.add_argument("--lr", type=float, default=DEMO_FIT.lr)
+    parser.add_argument("--lr-schedule", default=DEMO_FIT.lr_schedule,
+                        help="constant, or cosine (warm-up, then decay to lr/10)")
+    parser.add_argument("--warmup-share", type=float, default=DEMO_FIT.warmup_share,
+                        help="share of the steps the cosine schedule warms up")
     parser.add_argument("--lora-layers", type=int, default=None, help="adapt only the top N blocks (default: all)")
     parser.add_argument("--gold-share", type=float, default=0.8)
     parser.add_argument("--layouts", default="kg_facts:0.4,a2rag:0.3,documents:0.3",
                         help="answering-call layouts of the examples and their weights (medgraph.rl.reader.LAYOUTS)")
     parser.add_argument("--no-evidence-share", type=float, default=0.1,
                         help="share of multiple-choice examples shown no evidence at all (target: nothing found)")
-    parser.add_argument("--answer-form", default="text", choices=("letter", "text"),
+    parser.add_argument("--answer-form", default=ReaderConfig.answer_form, choices=ANSWER_FORMS,
                         help="how targets name the answer: its text then its letter, or its text in the tag")
     parser.add_argument("--fact-wording", default="label", choices=("label", "clause"),
                         help="a probe: show facts with their relation's label, as the KG does ('X inverse isa Y'), "
@@ -72,7 +76,7 @@ def main() -> None:
     from medgraph.methods.tools import KnowledgeTools
     from medgraph.qa.table import load_qa_items
     from medgraph.retrieval import Retriever
-    from medgraph.rl.reader import ReaderConfig, held_out_pairs, reader_examples, train_reader_adapter
+    from medgraph.rl.reader import held_out_pairs, reader_examples, train_reader_adapter
     from medgraph.stats import paired_difference
     from medgraph.storage import Lake, Warehouse
 

@@ -70,6 +70,12 @@ LAYOUTS = ("kg_facts", "a2rag", "documents")
 DEFAULT_LAYOUTS = (("kg_facts", 0.4), ("a2rag", 0.3), ("documents", 0.3))
 ANSWER_FORMS = ("letter", "text")
 
+# `make demo` on 2 CPU cores: 60 steps of 8 examples (~6-9 s a step). A constant 1e-3 ends where its last batches
+# leave it (validation 0.50-0.79 over three seeds, one fit answering "none found" to 29 of 48); a cosine decay from
+# 2e-3 ends calm. benchmarks/README.md `reader_adapter.py`, run 11.
+DEMO_FIT = SftConfig(steps=60, batch_size=8, micro_batch_size=4, lr=2e-3, lr_schedule="cosine", warmup_share=0.1,
+                     lora_r=16, lora_alpha=32)
+
 
 @dataclass(frozen=True)
 class ReaderConfig:
@@ -81,9 +87,7 @@ class ReaderConfig:
     # Multiple-choice examples shown no evidence at all (target: nothing found); without them the quoting reader
     # writes "The evidence states that ..." over no evidence and answers from what it learned (+0.15 on `cot`).
     no_evidence_share: float = 0.1
-    fit: SftConfig = field(default_factory=lambda: SftConfig(  # the demo profile's fit
-        steps=60, batch_size=8, micro_batch_size=4, lr=2e-3, lr_schedule="cosine", warmup_share=0.1,
-        lora_r=16, lora_alpha=32, lora_layers=None))
+    fit: SftConfig = field(default_factory=lambda: DEMO_FIT)
     # How a target names its answer (`name_the_option`): "text" (the option's text in the tag) or "letter" (the
     # text, then its letter in the tag, which the adapters look up one line early: run 11).
     answer_form: str = "text"
@@ -125,11 +129,7 @@ class ReaderConfig:
 READER_PROFILES = {
     "tiny": ReaderConfig(fit=SftConfig(steps=2, batch_size=2, micro_batch_size=1, lr=1e-3, lora_r=8, lora_alpha=16,
                                        lora_layers=2), valid_items=4),
-    # `make demo` on 2 CPU cores: 60 steps of 8 examples (~6-9 s a step). A constant 1e-3 ends where its last
-    # batches leave it (validation 0.50-0.79 over three seeds, one fit answering "none found" to 29 of 48); a
-    # cosine decay from 2e-3 ends calm. benchmarks/README.md `reader_adapter.py`, run 11.
-    "demo": ReaderConfig(fit=SftConfig(steps=60, batch_size=8, micro_batch_size=4, lr=2e-3, lr_schedule="cosine",
-                                       warmup_share=0.1, lora_r=16, lora_alpha=32, progress=True), valid_items=48),
+    "demo": ReaderConfig(fit=replace(DEMO_FIT, progress=True), valid_items=48),
     # Not measured at this size: the demo's schedule at the full profile's rate.
     "full": ReaderConfig(fit=SftConfig(steps=600, batch_size=16, micro_batch_size=8, lr=2e-4, lr_schedule="cosine",
                                        warmup_share=0.05, lora_r=16, lora_alpha=32, progress=True), valid_items=200),
