@@ -95,13 +95,13 @@ def main() -> None:
 
     with Retriever(warehouse, load_encoder("minilm")) as retriever:
         tools = KnowledgeTools(retriever)
-        examples, counts = reader_examples(retriever.graph, train, config, held_out)
+        base = load_llm(args.llm, home=args.home)
+        examples, counts = reader_examples(retriever.graph, train, config, held_out, count_tokens=base.count_tokens)
         print(f"{len(examples)} reader examples from {len(train)} train questions: {dict(counts)}", flush=True)
         for layout in dict.fromkeys(e.layout for e in examples):
             example = next(e for e in examples if e.layout == layout)
             print(f"e.g. ({layout})", example.conversation[-2].content[-500:], "\n->", example.conversation[-1].content,
                   flush=True)
-        base = load_llm(args.llm, home=args.home)
         started = time.perf_counter()
         if args.champion:
             adapted_reader, metrics = _champion(args.home)

@@ -202,7 +202,7 @@ class ReaderAdapterConfig(dg.Config):
                           **{k: v for k, v in (("steps", self.steps), ("lr", self.lr)) if v is not None})
 
 
-@gpu_model_asset("reader_adapter", READER_INPUTS, code_version="3")
+@gpu_model_asset("reader_adapter", READER_INPUTS, code_version="4")
 def reader_adapter(context: dg.AssetExecutionContext, config: ReaderAdapterConfig, warehouse: WarehouseResource,
                    encoder: EncoderResource, llm: LlmResource, mlflow_tracking: MlflowResource,
                    training: TrainingResource) -> dg.MaterializeResult:
@@ -228,7 +228,8 @@ def reader_adapter(context: dg.AssetExecutionContext, config: ReaderAdapterConfi
     out = warehouse.layout.checkpoints("reader_adapter") / context.run.run_id
     with Retriever(store, encoder.load()) as retriever, mlflow_tracking.start_asset_run(context, READER_INPUTS):
         tools = KnowledgeTools(retriever)
-        examples, counts = reader_examples(retriever.graph, train, reader_config, held_out)
+        examples, counts = reader_examples(retriever.graph, train, reader_config, held_out,
+                                           count_tokens=base.count_tokens)
         context.log.info(f"reader adapter: {len(examples)} examples from {len(train)} train questions "
                          f"({dict(counts)}); gate on {len(valid)} validation questions of {reader_config.valid_dataset}")
         mlflow.log_params({**reader_config.as_dict(), "base_model": base.name})

@@ -219,7 +219,7 @@ def test_each_step_trains_at_its_scheduled_rate(graph: KnowledgeGraph, tiny_read
 
 
 def test_a_long_two_hop_target_quotes_only_the_fact_that_names_the_answer():
-    from medgraph.rl.reader import TARGET_CHARS, _quoting_target
+    from medgraph.rl.reader import TARGET_TOKENS, _quoting_target, approx_tokens
 
     long_name = "Congenitally corrected transposition of the great arteries with ventricular septal defect"
     facts = [Triple("e1", "C1", long_name, "has_manifestation", "C2", "Abnormal atrioventricular valve morphology"),
@@ -228,11 +228,28 @@ def test_a_long_two_hop_target_quotes_only_the_fact_that_names_the_answer():
              Triple("e3", "C1", long_name, "isa", "C3", "Congenital malformation of the great arteries")]
     item = QaItem("kgqa_mc", "q", "Which disease shares a manifestation with ...?",
                   {"A": "x", "B": "Ebstein anomaly of the tricuspid valve", "C": "y", "D": "z"}, "B",
-                  extra={"answer_cuis": ["C9"]})
+                  extra={"answer_cuis": ["C9"], "seed_cuis": ["C1"]})
     target = _quoting_target(item, facts[:2], "letter")
     full = f"The evidence states that {facts[0].text}; and that {facts[1].text}."
-    assert len(full) > TARGET_CHARS and len(target) < len(full)
+    assert approx_tokens(full) > TARGET_TOKENS and len(target) < len(full)
     assert target.startswith("The evidence states that Ebstein anomaly")
     assert target.endswith("option B. <answer>B</answer>")
+    # The budget is the reader's tokens: a tokenizer that counts the pair as short keeps both facts.
+    assert _quoting_target(item, facts[:2], "letter", count_tokens=lambda text: 10).startswith(full[:-1])
     short = [Triple("e1", "C1", "X", "r", "C2", "Y"), Triple("e2", "C9", "Z", "r", "C2", "Y")]
     assert _quoting_target(item, short, "letter").startswith("The evidence states that X r Y; and that Z r Y.")
+
+
+def test_a_two_hop_target_quotes_its_facts_from_the_question_concept_to_the_answer():
+    """The 2-hop adapters quoted the question concept's fact and answered its bridge; the targets, in the shuffled
+    evidence order, put the answer's fact first as often as last (benchmarks/README.md, run 12)."""
+    from medgraph.rl.reader import _quoting_target
+
+    hop_to_answer = Triple("e2", "C2", "Subcutaneous hemorrhage", "manifestation_of", "C3", "Microscopic polyangiitis")
+    hop_from_question = Triple("e1", "C1", "Purpura", "isa", "C2", "Subcutaneous hemorrhage")
+    item = QaItem("kgqa_mc", "q", "a broader category of Purpura is a manifestation of which of the following?",
+                  {"A": "Mononeuropathy", "B": "Microscopic polyangiitis", "C": "x", "D": "y"}, "B",
+                  extra={"answer_cuis": ["C3"], "seed_cuis": ["C1"]})
+    assert _quoting_target(item, [hop_to_answer, hop_from_question], "text") == (
+        "The evidence states that Purpura isa Subcutaneous hemorrhage; and that Subcutaneous hemorrhage manifestation "
+        "of Microscopic polyangiitis. The answer is <answer>Microscopic polyangiitis</answer>.")

@@ -405,6 +405,10 @@ class TransformersChatModel(ChatModel):
         # The chat template already writes any BOS token: add no special tokens twice.
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
+    def count_tokens(self, text: str) -> int:
+        """How many tokens `text` takes in a reply (e.g. against a `max_new_tokens` budget)."""
+        return len(self._encode(text))
+
     def _row(self, conversation: Conversation, graph: torch.Tensor | None) -> _Row:
         if graph is None:
             return _Row(self._encode(self.render(conversation)))

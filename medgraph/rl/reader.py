@@ -18,7 +18,8 @@ methods' answering calls use (`LAYOUTS`, drawn per example):
     gold shown     RAFT's form, quoting the evidence: "The evidence states that amlodipine may treat
                     Hypertension. The answer is <answer>amlodipine</answer>." (the option's text, which every
                     method's parser reads as its letter; `answer_form="letter"`: "... The answer is amlodipine,
-                    option A. <answer>A</answer>", `name_the_option`)
+                    option A. <answer>A</answer>", `name_the_option`); a 2-hop question's two facts from its
+                    concept to the answer (`chain_order`), within the answer budget (`TARGET_TOKENS`)
     a "no" item    "No fact states that. The answer is <answer>no</answer>."  (absent by design)
     gold withheld  "None of the facts answers the question."         (multiple choice only; no answer tag;
                                                                       "documents" in the documents layout)
@@ -40,6 +41,7 @@ Leakage guard: no example shows a fact between two concepts that a validation or
 
 from __future__ import annotations
 
+import math
 import random
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
@@ -178,22 +180,44 @@ def name_the_option(item: QaItem, answer_form: str) -> str:
     return f"The answer is {text}, option {item.answer}. <answer>{item.answer}</answer>"
 
 
-# A target longer than this (about 50 SmolLM2 tokens) would be cut by the methods' 64-token answer budget before it names
-# the answer (`OracleEvidenceConfig.max_new_tokens`); a 2-hop target then quotes only the fact naming the answer.
-TARGET_CHARS = 200
+# The methods' answering calls stop after 64 new tokens (`OracleEvidenceConfig.max_new_tokens`): a target must name
+# its answer within that, with a few tokens to spare; a longer 2-hop target quotes only the fact naming the answer.
+TARGET_TOKENS = 60
 
 
-def _quoting_target(item: QaItem, cited: Sequence[Triple], answer_form: str) -> str:
+def approx_tokens(text: str) -> int:
+    """A tokenizer-free estimate of a target's length in tokens, on the long side (SmolLM2 averages ~3.8 characters
+    a token on the targets); callers with the reader's tokenizer pass its count instead."""
+    return math.ceil(len(text) / 3.5)
+
+
+def chain_order(item: QaItem, facts: Sequence[Triple]) -> list[Triple]:
+    """The facts in the order a reader follows them: from the question's concept to the answer ("Purpura isa
+    Subcutaneous hemorrhage; and that Subcutaneous hemorrhage manifestation of Microscopic polyangiitis"), so a
+    2-hop answer is read off the last fact quoted, not the bridge of the first."""
+    seeds = set(item.extra.get("seed_cuis") or ())
+    answers = set(item.extra.get("answer_cuis") or ())
+
+    def place(fact: Triple) -> int:
+        ends = {fact.src_cui, fact.dst_cui}
+        return 0 if ends & seeds and not ends & answers else 2 if ends & answers else 1
+    return sorted(facts, key=place)
+
+
+def _quoting_target(item: QaItem, cited: Sequence[Triple], answer_form: str,
+                    count_tokens: Callable[[str], int] = approx_tokens) -> str:
     """"The evidence states that <fact>; and that <fact>. The answer is ...": RAFT's form (the answer quotes the
-    evidence, no pointer to it), so the model chooses what to quote by its content rather than a number first;
-    only the fact touching an answer concept when the whole would not fit the answer budget."""
+    evidence, no pointer to it), so the model chooses what to quote by its content rather than a number first; the
+    facts in chain order, and only the fact touching an answer concept when the whole would not fit the answer
+    budget."""
     ending = name_the_option(item, answer_form)
+    cited = chain_order(item, cited)
     target = f"The evidence states that {'; and that '.join(t.text for t in cited)}. {ending}"
     answers = set(item.extra.get("answer_cuis") or ())
     naming_answer = [t for t in cited if {t.src_cui, t.dst_cui} & answers]
-    if len(target) <= TARGET_CHARS or not naming_answer or len(naming_answer) == len(cited):
+    if count_tokens(target) <= TARGET_TOKENS or not naming_answer or len(naming_answer) == len(cited):
         return target
-    return f"The evidence states that {naming_answer[0].text}. {ending}"
+    return f"The evidence states that {naming_answer[-1].text}. {ending}"
 
 
 def concept_texts(facts: Sequence[Triple], described: Sequence[str], nodes: dict[str, Node],
@@ -231,9 +255,10 @@ def _layout_prompt(layout: str, item: QaItem, facts: Sequence[Triple], nodes: di
 
 
 def reader_examples(graph: KnowledgeGraph, items: Sequence[QaItem], config: ReaderConfig,
-                    held_out: frozenset[Pair]) -> tuple[list[ReaderExample], Counter[str]]:
+                    held_out: frozenset[Pair], count_tokens: Callable[[str], int] = approx_tokens,
+                    ) -> tuple[list[ReaderExample], Counter[str]]:
     """RAFT examples from train questions with options (see the module doc), and counts of what was kept,
-    withheld, dropped and skipped."""
+    withheld, dropped and skipped. `count_tokens`: the reader's token count of a target (its answer budget)."""
     rng = random.Random(config.seed)
     layout_rng = random.Random(f"{config.seed}-layout")  # apart from `rng`: the layouts leave the withholding as it was
     names, weights = zip(*config.layouts, strict=True)
@@ -273,7 +298,7 @@ def reader_examples(graph: KnowledgeGraph, items: Sequence[QaItem], config: Read
             target = NOT_FOUND if unit == "fact" else NOT_FOUND_DOCUMENTS
         elif has_gold:
             target = _quoting_target(item, [t for t, gold in zip(kept, is_gold, strict=True) if gold],
-                                     config.answer_form)
+                                     config.answer_form, count_tokens)
         else:  # a "no" question: the fact it asks about is absent by design
             target = f"No {unit} states that. {name_the_option(item, config.answer_form)}"
         stats["gold_withheld" if withhold else "gold_shown"] += 1
