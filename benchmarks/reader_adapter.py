@@ -35,7 +35,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--home", type=Path, default=Path(".medgraph"), help="a `make demo` home")
     parser.add_argument("--llm", default="smollm2-135m-instruct")
-    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--steps", type=int, default=DEMO_FIT.steps)
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--lr", type=float, default=DEMO_FIT.lr)
     parser.add_argument("--lr-schedule", default=DEMO_FIT.lr_schedule,
