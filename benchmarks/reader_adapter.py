@@ -56,6 +56,10 @@ def main() -> None:
                              "validation alike (patches `Triple.text` in this process only)")
     parser.add_argument("--valid", type=int, default=48, help="validation questions per dataset")
     parser.add_argument("--datasets", default="kgqa_mc", help="validation datasets (comma-separated)")
+    parser.add_argument("--valid-draw", default="qid", choices=("qid", "file"),
+                        help="which validation questions: the first by qid (the gate's rule), or the first in the "
+                             "split's MIRAGE file (qa/qa_items.validation.json: the evaluation's rule for its split, "
+                             "question types in generation order)")
     parser.add_argument("--methods", default="oracle-evidence,cot")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=2)
@@ -90,8 +94,13 @@ def main() -> None:
     train = load_qa_items(warehouse, "train")
     held_out = held_out_pairs([*load_qa_items(warehouse, "validation"), *load_qa_items(warehouse, "test")])
     datasets = args.datasets.split(",")
-    valid = [item for dataset in datasets for item in
-             [i for i in load_qa_items(warehouse, "validation", seed=args.seed) if i.dataset == dataset][: args.valid]]
+    validation = load_qa_items(warehouse, "validation")
+    if args.valid_draw == "file":
+        from medgraph.qa.mirage import load_mirage
+
+        order = {item.qid: n for n, item in enumerate(load_mirage(args.home / "qa" / "qa_items.validation.json"))}
+        validation.sort(key=lambda item: order[item.qid])
+    valid = [item for dataset in datasets for item in [i for i in validation if i.dataset == dataset][: args.valid]]
 
     with Retriever(warehouse, load_encoder("minilm")) as retriever:
         tools = KnowledgeTools(retriever)
