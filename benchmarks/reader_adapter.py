@@ -15,7 +15,7 @@ batches of 24 (`reading_accuracy`; 8 until 0e685ca), the LoRA merged into the we
 differ from the unmerged, one-batch run above. Run 9 (benchmarks/README.md): 0 of 48 differ, so the gate's 0.60
 against this script's 0.73 for the same examples is fit-to-fit spread, not batching or merging.
 
-    .venv/bin/python benchmarks/reader_adapter.py --home .medgraph --steps 60 --valid 48
+    .venv/bin/python benchmarks/reader_adapter.py --home .medgraph --valid 48
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from medgraph.rl.reader import ANSWER_FORMS, DEMO_FIT, ReaderConfig
+from medgraph.rl.reader import ANSWER_FORMS, DEFAULT_LAYOUTS, DEMO_FIT, ReaderConfig
 
 
 def main() -> None:
@@ -36,17 +36,17 @@ def main() -> None:
     parser.add_argument("--home", type=Path, default=Path(".medgraph"), help="a `make demo` home")
     parser.add_argument("--llm", default="smollm2-135m-instruct")
     parser.add_argument("--steps", type=int, default=DEMO_FIT.steps)
-    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--batch-size", type=int, default=DEMO_FIT.batch_size)
     parser.add_argument("--lr", type=float, default=DEMO_FIT.lr)
     parser.add_argument("--lr-schedule", default=DEMO_FIT.lr_schedule,
                         help="constant, or cosine (warm-up, then decay to lr/10)")
     parser.add_argument("--warmup-share", type=float, default=DEMO_FIT.warmup_share,
                         help="share of the steps the cosine schedule warms up")
     parser.add_argument("--lora-layers", type=int, default=None, help="adapt only the top N blocks (default: all)")
-    parser.add_argument("--gold-share", type=float, default=0.8)
-    parser.add_argument("--layouts", default="kg_facts:0.4,a2rag:0.3,documents:0.3",
+    parser.add_argument("--gold-share", type=float, default=ReaderConfig.gold_share)
+    parser.add_argument("--layouts", default=",".join(f"{name}:{weight:g}" for name, weight in DEFAULT_LAYOUTS),
                         help="answering-call layouts of the examples and their weights (medgraph.rl.reader.LAYOUTS)")
-    parser.add_argument("--no-evidence-share", type=float, default=0.1,
+    parser.add_argument("--no-evidence-share", type=float, default=ReaderConfig.no_evidence_share,
                         help="share of multiple-choice examples shown no evidence at all (target: nothing found)")
     parser.add_argument("--answer-form", default=ReaderConfig.answer_form, choices=ANSWER_FORMS,
                         help="how targets name the answer: its text then its letter, or its text in the tag")
