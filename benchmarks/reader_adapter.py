@@ -56,10 +56,10 @@ def main() -> None:
                              "validation alike (patches `Triple.text` in this process only)")
     parser.add_argument("--valid", type=int, default=48, help="validation questions per dataset")
     parser.add_argument("--datasets", default="kgqa_mc", help="validation datasets (comma-separated)")
-    parser.add_argument("--valid-draw", default="qid", choices=("qid", "file"),
-                        help="which validation questions: the first by qid (the gate's rule), or the first in the "
-                             "split's MIRAGE file (qa/qa_items.validation.json: the evaluation's rule for its split, "
-                             "question types in generation order)")
+    parser.add_argument("--valid-draw", default="file", choices=("file", "qid"),
+                        help="which validation questions: the first in the split's MIRAGE file "
+                             "(qa/qa_items.validation.json: the evaluation's rule for its split and the gate's), "
+                             "or the first by qid (the gate's rule before run 13: fewer one-hop questions)")
     parser.add_argument("--methods", default="oracle-evidence,cot")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=2)
@@ -78,7 +78,7 @@ def main() -> None:
     from medgraph.llm.models import builtin_model_dir
     from medgraph.methods.registry import make_config, run_method
     from medgraph.methods.tools import KnowledgeTools
-    from medgraph.qa.table import load_qa_items
+    from medgraph.qa.table import in_split_file_order, load_qa_items
     from medgraph.retrieval import Retriever
     from medgraph.rl.reader import held_out_pairs, reader_examples, train_reader_adapter
     from medgraph.stats import paired_difference
@@ -91,15 +91,11 @@ def main() -> None:
     config = replace(config, fit=replace(config.fit, steps=args.steps, batch_size=args.batch_size, lr=args.lr,
                                          lr_schedule=args.lr_schedule, warmup_share=args.warmup_share,
                                          lora_layers=args.lora_layers, seed=args.seed, progress=True))
-    train = load_qa_items(warehouse, "train")
-    held_out = held_out_pairs([*load_qa_items(warehouse, "validation"), *load_qa_items(warehouse, "test")])
+    train, validation = load_qa_items(warehouse, "train"), load_qa_items(warehouse, "validation")
+    held_out = held_out_pairs([*validation, *load_qa_items(warehouse, "test")])
     datasets = args.datasets.split(",")
-    validation = load_qa_items(warehouse, "validation")
     if args.valid_draw == "file":
-        from medgraph.qa.mirage import load_mirage
-
-        order = {item.qid: n for n, item in enumerate(load_mirage(args.home / "qa" / "qa_items.validation.json"))}
-        validation.sort(key=lambda item: order[item.qid])
+        validation = in_split_file_order(validation, args.home / "qa" / "qa_items.validation.json")
     valid = [item for dataset in datasets for item in [i for i in validation if i.dataset == dataset][: args.valid]]
 
     with Retriever(warehouse, load_encoder("minilm")) as retriever:

@@ -28,6 +28,7 @@ from medgraph.qa.generate import QaStats, generate_qa_items
 from medgraph.qa.kg_view import QaLimits
 from medgraph.qa.mirage import load_mirage
 from medgraph.qa.splits import SPLIT_NAMES, concept_pair, fact_components, fact_splits, split_of
+from medgraph.qa.table import in_split_file_order, load_qa_items
 from medgraph.storage import Lake, Warehouse
 
 PER_TYPE = 150
@@ -437,6 +438,18 @@ def test_mirage_files_round_trip_through_load_mirage(generated, items):
     assert short and {item.dataset for item in short} == {"kgqa_short"}
     with pytest.raises(ValueError, match="no dataset"):
         load_mirage(out_dir / "qa_items.train.json", datasets=["medqa"])
+
+
+def test_the_table_read_in_file_order_draws_the_first_n_as_the_evaluation_does(generated):
+    warehouse, _, out_dir = generated
+    split_file = out_dir / "qa_items.validation.json"
+    by_qid = load_qa_items(warehouse, "validation")
+    as_evaluated = in_split_file_order(by_qid, split_file)
+    assert [item.qid for item in as_evaluated] == [item.qid for item in load_mirage(split_file)]
+    assert as_evaluated[0].extra["gold_facts"]  # still the table's items, gold facts and all
+    assert [item.qid for item in by_qid] != [item.qid for item in as_evaluated]  # else this test proves nothing
+    with pytest.raises(ValueError, match="older than the table"):
+        in_split_file_order(load_qa_items(warehouse, "test"), split_file)
 
 
 def test_load_mirage_reads_the_shared_dev_split():

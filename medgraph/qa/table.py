@@ -14,6 +14,7 @@ from pathlib import Path
 import pyarrow as pa
 
 from medgraph.qa.item import QaItem
+from medgraph.qa.mirage import load_mirage
 from medgraph.storage import Warehouse
 
 SCHEMA = "qa"
@@ -63,6 +64,19 @@ def load_qa_items(warehouse: Warehouse, split: str, limit: int | None = None, se
                           "gold_facts": [list(f) for f in facts or ()], "hops": hops})
             for dataset, qid, question, options, answer, acceptable, gold, seeds, answers, option_cuis,
             question_type, relations, pairs, facts, hops in rows]
+
+
+def in_split_file_order(items: Sequence[QaItem], split_file: Path) -> list[QaItem]:
+    """`items` in the order of their split's MIRAGE file (`qa/qa_items.<split>.json`): the evaluation takes the
+    first N of each dataset in that order (`load_benchmark`), question types in generation order, so a gate
+    that draws its first N the same way measures the same mix of shapes (the first 48 kgqa_mc validation
+    questions by qid held 6 one-hop questions, the file's first 48 hold 24)."""
+    position = {(item.dataset, item.qid): n for n, item in enumerate(load_mirage(split_file))}
+    missing = [item.qid for item in items if (item.dataset, item.qid) not in position]
+    if missing:
+        raise ValueError(f"{split_file}: {len(missing)} questions of qa.qa_items are not in the file (e.g. "
+                         f"{missing[0]}): the file is older than the table; materialize qa/qa_items again")
+    return sorted(items, key=lambda item: position[(item.dataset, item.qid)])
 
 
 def gold_pairs_in_two_splits(warehouse: Warehouse) -> list[tuple[str, str, list[str]]]:

@@ -94,7 +94,7 @@ class ReaderConfig:
     # How a target names its answer (`name_the_option`): "text" (the option's text in the tag) or "letter" (the
     # text, then its letter in the tag, which the adapters look up one line early: run 11).
     answer_form: str = "text"
-    valid_dataset: str = "kgqa_mc"  # the gate's questions: the first `valid_items` of this validation dataset
+    valid_dataset: str = "kgqa_mc"  # the gate: the first `valid_items` of this dataset in the validation file
     valid_items: int = 48
     seed: int = 0
 
