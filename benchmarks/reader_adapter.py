@@ -46,6 +46,8 @@ def main() -> None:
     parser.add_argument("--gold-share", type=float, default=ReaderConfig.gold_share)
     parser.add_argument("--layouts", default=",".join(f"{name}:{weight:g}" for name, weight in DEFAULT_LAYOUTS),
                         help="answering-call layouts of the examples and their weights (medgraph.rl.reader.LAYOUTS)")
+    parser.add_argument("--one-hop-copies", type=int, default=ReaderConfig.one_hop_copies,
+                        help="copies of each one-hop multiple-choice train question among the examples")
     parser.add_argument("--no-evidence-share", type=float, default=ReaderConfig.no_evidence_share,
                         help="share of multiple-choice examples shown no evidence at all (target: nothing found)")
     parser.add_argument("--answer-form", default=ReaderConfig.answer_form, choices=ANSWER_FORMS,
@@ -87,6 +89,7 @@ def main() -> None:
     warehouse = Warehouse(args.home / "warehouse.duckdb", Lake(args.home / "lake"))
     layouts = tuple((name, float(weight)) for name, weight in (part.split(":") for part in args.layouts.split(",")))
     config = ReaderConfig(gold_share=args.gold_share, layouts=layouts, no_evidence_share=args.no_evidence_share,
+                          one_hop_copies=args.one_hop_copies,
                           answer_form=args.answer_form, seed=args.seed)
     config = replace(config, fit=replace(config.fit, steps=args.steps, batch_size=args.batch_size, lr=args.lr,
                                          lr_schedule=args.lr_schedule, warmup_share=args.warmup_share,
@@ -118,6 +121,7 @@ def main() -> None:
 
         rows, results = {}, {}
         options = {item.qid: item.options for item in valid}
+        hops = {item.qid: item.extra.get("hops") for item in valid}
         for method in args.methods.split(","):
             for reader_name, reader in (("base", base), ("adapted", adapted_reader)):
                 t0 = time.perf_counter()
@@ -133,6 +137,10 @@ def main() -> None:
                 **{f"{r}_{k}": sum(getattr(x, f) for x in results[method, r]) / len(qids)
                    for r in ("base", "adapted") for k, f in (("parse_failures", "parse_failed"),
                                                              ("asked_again", "extra_answer_call"))},
+                **{f"{r}_correct_by_hops": {h: f"{sum(x.correct for x in results[method, r] if hops[x.qid] == h)}/"
+                                               f"{sum(1 for q in qids if hops[q] == h)}"
+                                            for h in sorted(set(hops.values()), key=str)}
+                   for r in ("base", "adapted")},
                 **{f"{r}_answers": dict(sorted(_counts(x.prediction for x in results[method, r]).items()))
                    for r in ("base", "adapted")},
                 **{f"{r}_misses": dict(sorted(_counts(
@@ -158,6 +166,8 @@ def main() -> None:
               f"[{d['ci_low']:+.3f}, {d['ci_high']:+.3f}]  {d['a_better']:>3}/{d['b_better']:<3}   {d['p_value']:.3f}  "
               f"{row['base_parse_failures']:.2f}/{row['adapted_parse_failures']:.2f}       "
               f"{row['base_asked_again']:.2f}/{row['adapted_asked_again']:.2f}")
+        print(f"{'':<16} correct by hops base {row['base_correct_by_hops']}  "
+              f"adapted {row['adapted_correct_by_hops']}")
         print(f"{'':<16} answers base {row['base_answers']}  adapted {row['adapted_answers']}")
         print(f"{'':<16} misses base {row['base_misses']}  adapted {row['adapted_misses']}")
 

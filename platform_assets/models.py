@@ -184,6 +184,8 @@ class ReaderAdapterConfig(dg.Config):
     (the default); names as `medgraph.rl.reader.LAYOUTS`."""
     no_evidence_share: float | None = None
     """Share of the multiple-choice examples shown no evidence at all (target: nothing found); 0.1 by default."""
+    one_hop_copies: int | None = None
+    """Copies of each one-hop multiple-choice train question among the examples (2 by default; run 13)."""
     answer_form: str | None = None
     """How targets name the answer: "text" (the option's text in the answer tag; the profiles' default) or "letter"
     (the text, then its letter); `medgraph.rl.reader.name_the_option`."""
@@ -196,6 +198,7 @@ class ReaderAdapterConfig(dg.Config):
                                                            ("gold_share", self.gold_share),
                                                            ("no_evidence_share", self.no_evidence_share),
                                                            ("answer_form", self.answer_form),
+                                                           ("one_hop_copies", self.one_hop_copies),
                                                            ("layouts", self.layouts and tuple(self.layouts.items())))
                                          if v is not None})
         return config.but(seed=self.seed, device=self.device,

@@ -129,6 +129,21 @@ def test_a_share_of_examples_is_shown_no_evidence_and_says_so(graph: KnowledgeGr
     assert all(e.conversation[2].content == NOT_FOUND and not e.pairs and not e.gold_shown for e in empty)
 
 
+def test_one_hop_questions_can_enter_the_examples_more_than_once_each_drawn_afresh(graph: KnowledgeGraph):
+    one_hop = [replace(item, extra={**item.extra, "hops": 1}) for item in
+               (mc_item(graph, f"q{i}")[0] for i in range(10))]
+    two_hop = [replace(item, extra={**item.extra, "hops": 2}) for item in
+               (mc_item(graph, f"r{i}")[0] for i in range(10))]
+    once, _ = reader_examples(graph, one_hop + two_hop, ReaderConfig(), frozenset())
+    thrice, _ = reader_examples(graph, one_hop + two_hop, ReaderConfig(one_hop_copies=3), frozenset())
+    assert len(once) == 20 and len(thrice) == 40
+    copies = [e for e in thrice if e.qid == "q0"]
+    assert len(copies) == 3 and len({(e.layout, e.conversation[1].content) for e in copies}) > 1
+    assert sum(e.qid.startswith("r") for e in thrice) == 10  # 2-hop questions enter once
+    with pytest.raises(ValueError, match="one_hop_copies"):
+        ReaderConfig(one_hop_copies=0)
+
+
 def test_layouts_are_drawn_apart_from_the_withholding(graph: KnowledgeGraph):
     """Changing the layouts changes no example's gold-shown draw: the layouts have their own random stream."""
     items = [mc_item(graph, f"q{i}")[0] for i in range(20)]

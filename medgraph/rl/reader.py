@@ -94,6 +94,9 @@ class ReaderConfig:
     # How a target names its answer (`name_the_option`): "text" (the option's text in the tag) or "letter" (the
     # text, then its letter in the tag, which the adapters look up one line early: run 11).
     answer_form: str = "text"
+    # Copies of each one-hop multiple-choice question among the examples, each drawn afresh (layout, withholding,
+    # distractor order): they are a fifth of the train split's multiple-choice questions and the test's first half.
+    one_hop_copies: int = 1
     valid_dataset: str = "kgqa_mc"  # the gate: the first `valid_items` of this dataset in the validation file
     valid_items: int = 48
     seed: int = 0
@@ -109,6 +112,8 @@ class ReaderConfig:
         for name in ("gold_share", "no_evidence_share"):
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise ValueError(f"reader {name} must be within [0, 1], got {getattr(self, name)}")
+        if self.one_hop_copies < 1:
+            raise ValueError(f"reader one_hop_copies must be at least 1, got {self.one_hop_copies}")
 
     @classmethod
     def profile(cls, name: str, **overrides: object) -> ReaderConfig:
@@ -125,6 +130,7 @@ class ReaderConfig:
         return {"gold_share": self.gold_share, "max_wrong": self.max_wrong,
                 "layouts": ",".join(f"{name}:{weight:g}" for name, weight in self.layouts),
                 "no_evidence_share": self.no_evidence_share, "answer_form": self.answer_form,
+                "one_hop_copies": self.one_hop_copies,
                 "valid_dataset": self.valid_dataset,
                 "valid_items": self.valid_items, "seed": self.seed, **fit}
 
@@ -269,7 +275,9 @@ def reader_examples(graph: KnowledgeGraph, items: Sequence[QaItem], config: Read
     nodes = graph.nodes({c for item, shown in zip(items, shown_per_item, strict=True)
                          for c in [*(item.extra.get("option_cuis") or ()), *(t.src_cui for t in shown)]}) \
         if "documents" in names else {}
-    for item, shown in zip(items, shown_per_item, strict=True):
+    copies = [config.one_hop_copies if item.extra.get("hops") == 1 and not _is_yes_no(item) else 1 for item in items]
+    for item, shown in ((item, shown) for item, shown, n in zip(items, shown_per_item, copies, strict=True)
+                        for _ in range(n)):
         if not item.options:
             stats["skipped_no_options"] += 1
             continue
@@ -285,7 +293,7 @@ def reader_examples(graph: KnowledgeGraph, items: Sequence[QaItem], config: Read
         if not has_gold and (gold_edges or gold_facts(item)):
             stats["skipped_gold_missing"] += 1  # its fact is not in the graph (or was held out): nothing to cite
             continue
-        yes_no = {text.strip().lower() for text in item.options.values()} <= {"yes", "no", "maybe"}
+        yes_no = _is_yes_no(item)
         withhold = has_gold and not yes_no and rng.random() >= config.gold_share
         if withhold:
             kept = [t for t, gold in zip(kept, is_gold, strict=True) if not gold]
@@ -307,6 +315,10 @@ def reader_examples(graph: KnowledgeGraph, items: Sequence[QaItem], config: Read
         examples.append(ReaderExample(item.qid, [*conversation, assistant(target)], not withhold,
                                       frozenset(_pair(t) for t in kept), layout))
     return examples, stats
+
+
+def _is_yes_no(item: QaItem) -> bool:
+    return bool(item.options) and {text.strip().lower() for text in item.options.values()} <= {"yes", "no", "maybe"}
 
 
 def check_no_leak(examples: Sequence[ReaderExample], held_out: frozenset[Pair]) -> None:
