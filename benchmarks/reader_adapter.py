@@ -76,6 +76,7 @@ def main() -> None:
         _word_facts_as_clauses()
 
     from medgraph.embed.encoder import load_encoder
+    from medgraph.home import HomeLayout
     from medgraph.llm import load_llm
     from medgraph.llm.models import builtin_model_dir
     from medgraph.methods.registry import make_config, run_method
@@ -98,7 +99,7 @@ def main() -> None:
     held_out = held_out_pairs([*validation, *load_qa_items(warehouse, "test")])
     datasets = args.datasets.split(",")
     if args.valid_draw == "file":
-        validation = in_split_file_order(validation, args.home / "qa" / "qa_items.validation.json")
+        validation = in_split_file_order(validation, HomeLayout(args.home).qa_split("validation"))
     valid = [item for dataset in datasets for item in [i for i in validation if i.dataset == dataset][: args.valid]]
 
     with Retriever(warehouse, load_encoder("minilm")) as retriever:

@@ -185,7 +185,8 @@ class ReaderAdapterConfig(dg.Config):
     no_evidence_share: float | None = None
     """Share of the multiple-choice examples shown no evidence at all (target: nothing found); 0.1 by default."""
     one_hop_copies: int | None = None
-    """Copies of each one-hop multiple-choice train question among the examples (2 by default; run 13)."""
+    """Copies of each one-hop multiple-choice train question among the examples (1 by default; 2 was no reliable gain:
+    benchmarks/README.md run 13)."""
     answer_form: str | None = None
     """How targets name the answer: "text" (the option's text in the answer tag; the profiles' default) or "letter"
     (the text, then its letter); `medgraph.rl.reader.name_the_option`."""

@@ -95,7 +95,8 @@ class ReaderConfig:
     # text, then its letter in the tag, which the adapters look up one line early: run 11).
     answer_form: str = "text"
     # Copies of each one-hop multiple-choice question among the examples, each drawn afresh (layout, withholding,
-    # distractor order): they are a fifth of the train split's multiple-choice questions and the test's first half.
+    # distractor order): one-hop questions are a fifth of the train split's multiple-choice ones; 2 copies were no
+    # reliable gain (benchmarks/README.md run 13).
     one_hop_copies: int = 1
     valid_dataset: str = "kgqa_mc"  # the gate: the first `valid_items` of this dataset in the validation file
     valid_items: int = 48
