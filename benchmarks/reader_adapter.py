@@ -81,7 +81,7 @@ def main() -> None:
     from medgraph.llm.models import builtin_model_dir
     from medgraph.methods.registry import make_config, run_method
     from medgraph.methods.tools import KnowledgeTools
-    from medgraph.qa.table import in_split_file_order, load_qa_items
+    from medgraph.qa.table import first_as_evaluated, load_qa_items
     from medgraph.retrieval import Retriever
     from medgraph.rl.reader import held_out_pairs, reader_examples, train_reader_adapter
     from medgraph.stats import paired_difference
@@ -99,8 +99,9 @@ def main() -> None:
     held_out = held_out_pairs([*validation, *load_qa_items(warehouse, "test")])
     datasets = args.datasets.split(",")
     if args.valid_draw == "file":
-        validation = in_split_file_order(validation, HomeLayout(args.home).qa_split("validation"))
-    valid = [item for dataset in datasets for item in [i for i in validation if i.dataset == dataset][: args.valid]]
+        valid = first_as_evaluated(validation, HomeLayout(args.home).qa_split("validation"), datasets, args.valid)
+    else:
+        valid = [item for dataset in datasets for item in [i for i in validation if i.dataset == dataset][: args.valid]]
 
     with Retriever(warehouse, load_encoder("minilm")) as retriever:
         tools = KnowledgeTools(retriever)

@@ -21,7 +21,7 @@ from medgraph.gnn.train import FEATURE_TABLE, GatConfig, pick_device, train_gat
 from medgraph.gnn.training_log import history_markdown, log_gat_result, result_metadata, untrained_baseline
 from medgraph.llm.hf import TransformersChatModel
 from medgraph.methods.tools import KnowledgeTools
-from medgraph.qa.table import in_split_file_order, load_qa_items
+from medgraph.qa.table import first_as_evaluated, load_qa_items
 from medgraph.retrieval import Retriever
 from medgraph.rl.hiim import (
     ProjectorConfig,
@@ -206,7 +206,7 @@ class ReaderAdapterConfig(dg.Config):
                           **{k: v for k, v in (("steps", self.steps), ("lr", self.lr)) if v is not None})
 
 
-@gpu_model_asset("reader_adapter", READER_INPUTS, code_version="5")
+@gpu_model_asset("reader_adapter", READER_INPUTS, code_version="6")
 def reader_adapter(context: dg.AssetExecutionContext, config: ReaderAdapterConfig, warehouse: WarehouseResource,
                    encoder: EncoderResource, llm: LlmResource, mlflow_tracking: MlflowResource,
                    training: TrainingResource) -> dg.MaterializeResult:
@@ -225,8 +225,8 @@ def reader_adapter(context: dg.AssetExecutionContext, config: ReaderAdapterConfi
     train, validation = load_qa_items(store, "train"), load_qa_items(store, "validation")
     held_out = held_out_pairs([*validation, *load_qa_items(store, "test")])
     # Drawn as the evaluation draws its split (the first N in file order), so the gate sees the test's mix of shapes.
-    valid = [item for item in in_split_file_order(validation, warehouse.layout.qa_split("validation"))
-             if item.dataset == reader_config.valid_dataset][: reader_config.valid_items]
+    valid = first_as_evaluated(validation, warehouse.layout.qa_split("validation"), [reader_config.valid_dataset],
+                               reader_config.valid_items)
     if not valid:
         raise dg.Failure(f"no validation questions of {reader_config.valid_dataset!r} in qa/qa_items: the champion "
                          "gate needs them")

@@ -28,7 +28,7 @@ from medgraph.qa.generate import QaStats, generate_qa_items
 from medgraph.qa.kg_view import QaLimits
 from medgraph.qa.mirage import load_mirage
 from medgraph.qa.splits import SPLIT_NAMES, concept_pair, fact_components, fact_splits, split_of
-from medgraph.qa.table import in_split_file_order, load_qa_items
+from medgraph.qa.table import first_as_evaluated, in_split_file_order, load_qa_items
 from medgraph.storage import Lake, Warehouse
 
 PER_TYPE = 150
@@ -448,6 +448,8 @@ def test_the_table_read_in_file_order_draws_the_first_n_as_the_evaluation_does(g
     assert [item.qid for item in as_evaluated] == [item.qid for item in load_mirage(split_file)]
     assert as_evaluated[0].extra["gold_facts"]  # still the table's items, gold facts and all
     assert [item.qid for item in by_qid] != [item.qid for item in as_evaluated]  # else this test proves nothing
+    first_mc = [item.qid for item in load_mirage(split_file, datasets=["kgqa_mc"])][:5]
+    assert [item.qid for item in first_as_evaluated(by_qid, split_file, ["kgqa_mc"], 5)] == first_mc
     with pytest.raises(ValueError, match="older than the table"):
         in_split_file_order(load_qa_items(warehouse, "test"), split_file)
 

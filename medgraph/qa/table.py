@@ -79,6 +79,15 @@ def in_split_file_order(items: Sequence[QaItem], split_file: Path) -> list[QaIte
     return sorted(items, key=lambda item: position[(item.dataset, item.qid)])
 
 
+def first_as_evaluated(items: Sequence[QaItem], split_file: Path, datasets: Sequence[str],
+                       per_dataset: int) -> list[QaItem]:
+    """The first `per_dataset` items of each of `datasets` in the split file's order: the questions an
+    evaluation of that split asks with `limit_per_dataset` (`load_benchmark`), as `qa.qa_items` rows (gold
+    facts and all), for a gate or a benchmark that must measure what the report measures."""
+    ordered = in_split_file_order(items, split_file)
+    return [item for dataset in datasets for item in [i for i in ordered if i.dataset == dataset][:per_dataset]]
+
+
 def gold_pairs_in_two_splits(warehouse: Warehouse) -> list[tuple[str, str, list[str]]]:
     """(cui, cui, splits) of every unordered gold pair of `qa.qa_items` found in more than one split."""
     with warehouse.connect(read_only=True) as con:
