@@ -16,6 +16,7 @@ from medgraph.rl.reader import (
     NOT_FOUND_DOCUMENTS,
     ReaderConfig,
     ReaderExample,
+    baits_a_second_hop,
     check_no_leak,
     held_out_pairs,
     reader_examples,
@@ -142,6 +143,18 @@ def test_one_hop_questions_can_enter_the_examples_more_than_once_each_drawn_afre
     assert sum(e.qid.startswith("r") for e in thrice) == 10  # 2-hop questions enter once
     with pytest.raises(ValueError, match="one_hop_copies"):
         ReaderConfig(one_hop_copies=0)
+
+
+def test_a_one_hop_question_baits_a_second_hop_when_its_answer_links_to_a_wrong_option(graph: KnowledgeGraph):
+    item, gold, _ = mc_item(graph)
+    linked = [t.dst_cui for t in graph.one_hop([gold.dst_cui]) if t.dst_cui != HYPERTENSION]
+    assert linked, "the tiny KG changed: Hypertension's first neighbour needs a neighbour of its own"
+    unlinked = ["C9999991", "C9999992", "C9999993"]  # concepts the KG does not hold
+    one_hop = {**item.extra, "hops": 1}
+    baited = replace(item, extra={**one_hop, "option_cuis": [gold.dst_cui, linked[0], *unlinked[:2]]})
+    clean = replace(item, extra={**one_hop, "option_cuis": [gold.dst_cui, *unlinked]})
+    assert baits_a_second_hop(graph, baited) and not baits_a_second_hop(graph, clean)
+    assert not baits_a_second_hop(graph, replace(baited, extra={**baited.extra, "hops": 2}))  # a chain is asked for
 
 
 def test_layouts_are_drawn_apart_from_the_withholding(graph: KnowledgeGraph):

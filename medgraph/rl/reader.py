@@ -175,6 +175,18 @@ def held_out_pairs(items: Iterable[QaItem]) -> frozenset[Pair]:
     return frozenset(pair for item in items for pair in question_pairs(item))
 
 
+def baits_a_second_hop(graph: KnowledgeGraph, item: QaItem) -> bool:
+    """A one-hop multiple-choice question whose answer concept has a fact to a wrong option. Oracle evidence shows
+    that fact beside the gold one (every fact between the question's concepts and the wrong options), and a reader
+    taught to follow 2-hop chains reads one fact too far ("X isa Y; and that Y manifestation of Z" -> Z): 6 of the
+    135-step demo's 8 test misses (benchmarks/README.md run 14)."""
+    answers = set(item.extra.get("answer_cuis") or ())
+    wrong = {c for c in item.extra.get("option_cuis") or () if c not in answers}
+    if item.extra.get("hops") != 1 or not answers or not wrong:
+        return False
+    return any(t.dst_cui in wrong for t in graph.one_hop(sorted(answers)))
+
+
 def name_the_option(item: QaItem, answer_form: str) -> str:
     """The end of a target. `letter`: the answer's text, then its letter ("The answer is Hypertension, option C.
     <answer>C</answer>"). Written in that order the letter is a look-up of the option list ("C. Hypertension"),
