@@ -48,6 +48,9 @@ def main() -> None:
                         help="answering-call layouts of the examples and their weights (medgraph.rl.reader.LAYOUTS)")
     parser.add_argument("--one-hop-copies", type=int, default=ReaderConfig.one_hop_copies,
                         help="copies of each one-hop multiple-choice train question among the examples")
+    parser.add_argument("--baited-copies", type=int, default=ReaderConfig.baited_copies,
+                        help="copies (times --one-hop-copies) of each one-hop question whose answer links to a wrong "
+                             "option (medgraph.rl.reader.baits_a_second_hop)")
     parser.add_argument("--no-evidence-share", type=float, default=ReaderConfig.no_evidence_share,
                         help="share of multiple-choice examples shown no evidence at all (target: nothing found)")
     parser.add_argument("--answer-form", default=ReaderConfig.answer_form, choices=ANSWER_FORMS,
@@ -90,7 +93,7 @@ def main() -> None:
     warehouse = Warehouse(args.home / "warehouse.duckdb", Lake(args.home / "lake"))
     layouts = tuple((name, float(weight)) for name, weight in (part.split(":") for part in args.layouts.split(",")))
     config = ReaderConfig(gold_share=args.gold_share, layouts=layouts, no_evidence_share=args.no_evidence_share,
-                          one_hop_copies=args.one_hop_copies,
+                          one_hop_copies=args.one_hop_copies, baited_copies=args.baited_copies,
                           answer_form=args.answer_form, seed=args.seed)
     config = replace(config, fit=replace(config.fit, steps=args.steps, batch_size=args.batch_size, lr=args.lr,
                                          lr_schedule=args.lr_schedule, warmup_share=args.warmup_share,

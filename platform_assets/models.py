@@ -187,6 +187,9 @@ class ReaderAdapterConfig(dg.Config):
     one_hop_copies: int | None = None
     """Copies of each one-hop multiple-choice train question among the examples (1 by default; 2 was no reliable gain:
     benchmarks/README.md run 13)."""
+    baited_copies: int | None = None
+    """Copies (times `one_hop_copies`) of each one-hop question whose answer links to a wrong option, whose evidence
+    baits a second hop (`medgraph.rl.reader.baits_a_second_hop`); 1 by default (benchmarks/README.md run 14)."""
     answer_form: str | None = None
     """How targets name the answer: "text" (the option's text in the answer tag; the profiles' default) or "letter"
     (the text, then its letter); `medgraph.rl.reader.name_the_option`."""
@@ -200,6 +203,7 @@ class ReaderAdapterConfig(dg.Config):
                                                            ("no_evidence_share", self.no_evidence_share),
                                                            ("answer_form", self.answer_form),
                                                            ("one_hop_copies", self.one_hop_copies),
+                                                           ("baited_copies", self.baited_copies),
                                                            ("layouts", self.layouts and tuple(self.layouts.items())))
                                          if v is not None})
         return config.but(seed=self.seed, device=self.device,

@@ -113,9 +113,9 @@ def test_reader_adapter_config_overrides_only_what_it_names():
     """The asset's run config reaches the reader's examples and fit; what it leaves out keeps the profile's value."""
     default = ReaderAdapterConfig().reader_config("demo")
     config = ReaderAdapterConfig(no_evidence_share=0.3, layouts={"kg_facts": 1.0}, steps=5,
-                                 one_hop_copies=3).reader_config("demo")
-    assert (config.no_evidence_share, config.layouts, config.fit.steps, config.one_hop_copies) == (
-        0.3, (("kg_facts", 1.0),), 5, 3)
+                                 one_hop_copies=3, baited_copies=2).reader_config("demo")
+    assert (config.no_evidence_share, config.layouts, config.fit.steps, config.one_hop_copies,
+            config.baited_copies) == (0.3, (("kg_facts", 1.0),), 5, 3, 2)
     assert (config.gold_share, config.fit.lr, config.valid_items) == (default.gold_share, default.fit.lr,
                                                                       default.valid_items)
     assert default.no_evidence_share == 0.1

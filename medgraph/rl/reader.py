@@ -99,6 +99,9 @@ class ReaderConfig:
     # distractor order): one-hop questions are a fifth of the train split's multiple-choice ones; 2 copies were no
     # reliable gain (benchmarks/README.md run 13).
     one_hop_copies: int = 1
+    # A one-hop question whose evidence baits a second hop (`baits_a_second_hop`) enters this many times more
+    # (times `one_hop_copies`): under 4% of the examples, and 6 of the 135-step demo's 8 test misses (run 14).
+    baited_copies: int = 1
     valid_dataset: str = "kgqa_mc"  # the gate: the first `valid_items` of this dataset in the validation file
     valid_items: int = 48
     seed: int = 0
@@ -114,8 +117,9 @@ class ReaderConfig:
         for name in ("gold_share", "no_evidence_share"):
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise ValueError(f"reader {name} must be within [0, 1], got {getattr(self, name)}")
-        if self.one_hop_copies < 1:
-            raise ValueError(f"reader one_hop_copies must be at least 1, got {self.one_hop_copies}")
+        for name in ("one_hop_copies", "baited_copies"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"reader {name} must be at least 1, got {getattr(self, name)}")
 
     @classmethod
     def profile(cls, name: str, **overrides: object) -> ReaderConfig:
@@ -132,7 +136,7 @@ class ReaderConfig:
         return {"gold_share": self.gold_share, "max_wrong": self.max_wrong,
                 "layouts": ",".join(f"{name}:{weight:g}" for name, weight in self.layouts),
                 "no_evidence_share": self.no_evidence_share, "answer_form": self.answer_form,
-                "one_hop_copies": self.one_hop_copies,
+                "one_hop_copies": self.one_hop_copies, "baited_copies": self.baited_copies,
                 "valid_dataset": self.valid_dataset,
                 "valid_items": self.valid_items, "seed": self.seed, **fit}
 
@@ -289,7 +293,9 @@ def reader_examples(graph: KnowledgeGraph, items: Sequence[QaItem], config: Read
     nodes = graph.nodes({c for item, shown in zip(items, shown_per_item, strict=True)
                          for c in [*(item.extra.get("option_cuis") or ()), *(t.src_cui for t in shown)]}) \
         if "documents" in names else {}
-    copies = [config.one_hop_copies if item.extra.get("hops") == 1 and not _is_yes_no(item) else 1 for item in items]
+    copies = [1 if item.extra.get("hops") != 1 or _is_yes_no(item) else config.one_hop_copies
+              * (config.baited_copies if config.baited_copies > 1 and baits_a_second_hop(graph, item) else 1)
+              for item in items]
     for item, shown in ((item, shown) for item, shown, n in zip(items, shown_per_item, copies, strict=True)
                         for _ in range(n)):
         if not item.options:
