@@ -293,9 +293,7 @@ def reader_examples(graph: KnowledgeGraph, items: Sequence[QaItem], config: Read
     nodes = graph.nodes({c for item, shown in zip(items, shown_per_item, strict=True)
                          for c in [*(item.extra.get("option_cuis") or ()), *(t.src_cui for t in shown)]}) \
         if "documents" in names else {}
-    copies = [1 if item.extra.get("hops") != 1 or _is_yes_no(item) else config.one_hop_copies
-              * (config.baited_copies if config.baited_copies > 1 and baits_a_second_hop(graph, item) else 1)
-              for item in items]
+    copies = [_copies(graph, item, config) for item in items]
     for item, shown in ((item, shown) for item, shown, n in zip(items, shown_per_item, copies, strict=True)
                         for _ in range(n)):
         if not item.options:
@@ -335,6 +333,15 @@ def reader_examples(graph: KnowledgeGraph, items: Sequence[QaItem], config: Read
         examples.append(ReaderExample(item.qid, [*conversation, assistant(target)], not withhold,
                                       frozenset(_pair(t) for t in kept), layout))
     return examples, stats
+
+
+def _copies(graph: KnowledgeGraph, item: QaItem, config: ReaderConfig) -> int:
+    """How many times a train question enters the examples: one-hop multiple-choice questions `one_hop_copies`
+    times, those among them that bait a second hop `baited_copies` times that (the graph is asked only when it counts)."""
+    if item.extra.get("hops") != 1 or _is_yes_no(item):
+        return 1
+    baited = config.baited_copies > 1 and baits_a_second_hop(graph, item)
+    return config.one_hop_copies * (config.baited_copies if baited else 1)
 
 
 def _is_yes_no(item: QaItem) -> bool:
