@@ -127,8 +127,8 @@ def main() -> None:
         rows, results = {}, {}
         options = {item.qid: item.options for item in valid}
         # One-hop questions whose answer links to a wrong option count apart: the reader chains past them (run 14).
-        shape = {item.qid: "1 baited" if baits_a_second_hop(retriever.graph, item) else str(item.extra.get("hops"))
-                 for item in valid}
+        shape = {item.qid: "1 baited" if baited else str(item.extra.get("hops"))
+                 for item, baited in zip(valid, baits_a_second_hop(retriever.graph, valid), strict=True)}
         for method in args.methods.split(","):
             for reader_name, reader in (("base", base), ("adapted", adapted_reader)):
                 t0 = time.perf_counter()

@@ -153,8 +153,8 @@ def test_a_one_hop_question_baits_a_second_hop_when_its_answer_links_to_a_wrong_
     one_hop = {**item.extra, "hops": 1}
     baited = replace(item, extra={**one_hop, "option_cuis": [gold.dst_cui, linked[0], *unlinked[:2]]})
     clean = replace(item, extra={**one_hop, "option_cuis": [gold.dst_cui, *unlinked]})
-    assert baits_a_second_hop(graph, baited) and not baits_a_second_hop(graph, clean)
-    assert not baits_a_second_hop(graph, replace(baited, extra={**baited.extra, "hops": 2}))  # a chain is asked for
+    chain = replace(baited, extra={**baited.extra, "hops": 2})  # a chain is asked for: no bait
+    assert baits_a_second_hop(graph, [baited, clean, chain]) == [True, False, False]
     # baited_copies puts the baited question among the examples more often (times one_hop_copies); the clean one not.
     items = [replace(baited, qid="baited"), replace(clean, qid="clean")]
     examples, _ = reader_examples(graph, items, ReaderConfig(baited_copies=3, one_hop_copies=2), frozenset())

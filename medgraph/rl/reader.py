@@ -179,16 +179,21 @@ def held_out_pairs(items: Iterable[QaItem]) -> frozenset[Pair]:
     return frozenset(pair for item in items for pair in question_pairs(item))
 
 
-def baits_a_second_hop(graph: KnowledgeGraph, item: QaItem) -> bool:
-    """A one-hop multiple-choice question whose answer concept has a fact to a wrong option. Oracle evidence shows
-    that fact beside the gold one (every fact between the question's concepts and the wrong options), and a reader
-    taught to follow 2-hop chains reads one fact too far ("X isa Y; and that Y manifestation of Z" -> Z): 6 of the
-    135-step demo's 8 test misses (benchmarks/README.md run 14)."""
-    answers = set(item.extra.get("answer_cuis") or ())
-    wrong = {c for c in item.extra.get("option_cuis") or () if c not in answers}
-    if item.extra.get("hops") != 1 or not answers or not wrong:
-        return False
-    return any(t.dst_cui in wrong for t in graph.one_hop(sorted(answers)))
+def baits_a_second_hop(graph: KnowledgeGraph, items: Sequence[QaItem]) -> list[bool]:
+    """Per item: is it a one-hop multiple-choice question whose answer concept has a fact to a wrong option? Oracle
+    evidence shows that fact beside the gold one (every fact between the question's concepts and the wrong options),
+    and a reader taught to follow 2-hop chains reads one fact too far ("X isa Y; and that Y manifestation of Z" -> Z):
+    6 of the 135-step demo's 8 test misses (benchmarks/README.md run 14). One graph query for all items."""
+    asked = [item for item in items if item.extra.get("hops") == 1 and item.extra.get("answer_cuis")]
+    linked: dict[str, set[str]] = {}
+    for triple in graph.one_hop(sorted({c for item in asked for c in item.extra["answer_cuis"]})):
+        linked.setdefault(triple.src_cui, set()).add(triple.dst_cui)
+    baited = []
+    for item in items:
+        answers = set(item.extra.get("answer_cuis") or ())
+        wrong = {c for c in item.extra.get("option_cuis") or () if c not in answers}
+        baited.append(item.extra.get("hops") == 1 and any(linked.get(a, set()) & wrong for a in answers))
+    return baited
 
 
 def name_the_option(item: QaItem, answer_form: str) -> str:
@@ -293,7 +298,8 @@ def reader_examples(graph: KnowledgeGraph, items: Sequence[QaItem], config: Read
     nodes = graph.nodes({c for item, shown in zip(items, shown_per_item, strict=True)
                          for c in [*(item.extra.get("option_cuis") or ()), *(t.src_cui for t in shown)]}) \
         if "documents" in names else {}
-    copies = [_copies(graph, item, config) for item in items]
+    baited = baits_a_second_hop(graph, items) if config.baited_copies > 1 else [False] * len(items)
+    copies = [_copies(item, is_baited, config) for item, is_baited in zip(items, baited, strict=True)]
     for item, shown in ((item, shown) for item, shown, n in zip(items, shown_per_item, copies, strict=True)
                         for _ in range(n)):
         if not item.options:
@@ -335,12 +341,11 @@ def reader_examples(graph: KnowledgeGraph, items: Sequence[QaItem], config: Read
     return examples, stats
 
 
-def _copies(graph: KnowledgeGraph, item: QaItem, config: ReaderConfig) -> int:
+def _copies(item: QaItem, baited: bool, config: ReaderConfig) -> int:
     """How many times a train question enters the examples: one-hop multiple-choice questions `one_hop_copies`
-    times, those among them that bait a second hop `baited_copies` times that (the graph is asked only when it counts)."""
+    times, those among them that bait a second hop `baited_copies` times that."""
     if item.extra.get("hops") != 1 or _is_yes_no(item):
         return 1
-    baited = config.baited_copies > 1 and baits_a_second_hop(graph, item)
     return config.one_hop_copies * (config.baited_copies if baited else 1)
 
 
