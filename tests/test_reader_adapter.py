@@ -135,8 +135,8 @@ def test_one_hop_questions_can_enter_the_examples_more_than_once_each_drawn_afre
                (mc_item(graph, f"q{i}")[0] for i in range(10))]
     two_hop = [replace(item, extra={**item.extra, "hops": 2}) for item in
                (mc_item(graph, f"r{i}")[0] for i in range(10))]
-    once, _ = reader_examples(graph, one_hop + two_hop, ReaderConfig(), frozenset())
-    thrice, _ = reader_examples(graph, one_hop + two_hop, ReaderConfig(one_hop_copies=3), frozenset())
+    once, _ = reader_examples(graph, one_hop + two_hop, ReaderConfig(baited_copies=1), frozenset())
+    thrice, _ = reader_examples(graph, one_hop + two_hop, ReaderConfig(one_hop_copies=3, baited_copies=1), frozenset())
     assert len(once) == 20 and len(thrice) == 40
     copies = [e for e in thrice if e.qid == "q0"]
     assert len(copies) == 3 and len({(e.layout, e.conversation[1].content) for e in copies}) > 1
