@@ -454,6 +454,17 @@ def test_the_table_read_in_file_order_draws_the_first_n_as_the_evaluation_does(g
         in_split_file_order(load_qa_items(warehouse, "test"), split_file)
 
 
+def test_the_first_n_of_a_split_file_are_a_draw_of_every_type_not_the_first_type(generated):
+    # The evaluation and the reader gate ask the first N of each dataset in the file; written type by type, the
+    # first N of kgqa_mc were its one-hop questions (the demo's test 24: 16 one-hop, against a sixth in the split).
+    _, _, out_dir = generated
+    for split in SPLIT_NAMES:
+        hops = [item.extra["hops"] for item in load_mirage(out_dir / f"qa_items.{split}.json", datasets=["kgqa_mc"])]
+        assert set(hops) == {1, 2}, "the fixture must hold both shapes for this test to prove anything"
+        first_two_hop, last_one_hop = hops.index(2), len(hops) - 1 - hops[::-1].index(1)
+        assert first_two_hop < last_one_hop  # interleaved, not one block of each
+
+
 def test_load_mirage_reads_the_shared_dev_split():
     path = SHARED_DATA / "mirage" / "mirage_dev.json"
     if not path.is_file():

@@ -54,11 +54,15 @@ can merge components).
 
 The items are published as `qa.qa_items` and as MIRAGE files of
 `medgraph.qa.item.QaItem` (`KgQaItem.as_question`), one per split; the table is `medgraph.qa.table`.
+Within a file each dataset's questions come in a seeded hash order, not type by type: an evaluation asks
+the first N of each dataset (`load_benchmark`'s `limit_per_dataset`), so any prefix must be a uniform
+draw of the split (written type by type, a prefix of `kgqa_mc` was every one-hop question first).
 """
 
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import random
 import time
@@ -197,13 +201,20 @@ def _finish(drafts: list[Draft], graph: QaGraph, warehouse: Warehouse,
     return items, components
 
 
-def _write_mirage_splits(items: Sequence[KgQaItem], out_dir: str | Path) -> dict[str, Path]:
-    """One MIRAGE file per split, `<out_dir>/qa_items.<split>.json`, datasets in name order:
-    `{dataset: {qid: {question, options, answer[, acceptable_answers], question_type, hops, gold_path, ...}}}`."""
-    by_dataset = sorted(items, key=lambda item: item.dataset)  # stable: each dataset keeps the items' order
+def _write_mirage_splits(items: Sequence[KgQaItem], out_dir: str | Path, seed: int) -> dict[str, Path]:
+    """One MIRAGE file per split, `<out_dir>/qa_items.<split>.json`, datasets in name order, each dataset's
+    questions in `_draw_order`: `{dataset: {qid: {question, options, answer[, acceptable_answers], question_type,
+    hops, gold_path, ...}}}`."""
+    ordered = sorted(items, key=lambda item: (item.dataset, _draw_order(seed, item.qid)))
     return {split: write_mirage(Path(out_dir) / f"qa_items.{split}.json",
-                                [item.as_question() for item in by_dataset if item.split == split])
+                                [item.as_question() for item in ordered if item.split == split])
             for split in SPLIT_NAMES}
+
+
+def _draw_order(seed: int, qid: str) -> str:
+    """A question's place in its split's file: a hash of the seed and its qid, so that the first N of a dataset
+    are a uniform draw of every type it holds, and a question keeps its place when others come or go."""
+    return hashlib.sha256(f"{seed}:{qid}".encode()).hexdigest()
 
 
 @dataclass
@@ -315,7 +326,7 @@ def generate_qa_items(
         raise AssertionError(f"{len(leaked)} gold pairs in several splits, e.g. {next(iter(leaked.items()))}")
     component_sizes = Counter(components)
     parquet = publish_qa_items(items, warehouse)
-    json_paths = _write_mirage_splits(items, out_dir)
+    json_paths = _write_mirage_splits(items, out_dir, seed)
 
     per_type_split: dict[str, dict[str, int]] = {t: dict.fromkeys(SPLIT_NAMES, 0) for t in QUESTION_TYPES}
     for item in items:
