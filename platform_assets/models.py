@@ -189,7 +189,8 @@ class ReaderAdapterConfig(dg.Config):
     benchmarks/README.md run 13)."""
     baited_copies: int | None = None
     """Copies (times `one_hop_copies`) of each one-hop question whose answer links to a wrong option, whose evidence
-    baits a second hop (`medgraph.rl.reader.baits_a_second_hop`); 3 by default (benchmarks/README.md run 15)."""
+    baits a second hop (`medgraph.rl.reader.baits_a_second_hop`); 1 by default (3 were no gain over three seeds:
+    benchmarks/README.md run 15)."""
     answer_form: str | None = None
     """How targets name the answer: "text" (the option's text in the answer tag; the profiles' default) or "letter"
     (the text, then its letter); `medgraph.rl.reader.name_the_option`."""
@@ -210,7 +211,7 @@ class ReaderAdapterConfig(dg.Config):
                           **{k: v for k, v in (("steps", self.steps), ("lr", self.lr)) if v is not None})
 
 
-@gpu_model_asset("reader_adapter", READER_INPUTS, code_version="7")
+@gpu_model_asset("reader_adapter", READER_INPUTS, code_version="8")
 def reader_adapter(context: dg.AssetExecutionContext, config: ReaderAdapterConfig, warehouse: WarehouseResource,
                    encoder: EncoderResource, llm: LlmResource, mlflow_tracking: MlflowResource,
                    training: TrainingResource) -> dg.MaterializeResult:
