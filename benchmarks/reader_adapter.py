@@ -82,7 +82,7 @@ def main() -> None:
     from medgraph.home import HomeLayout
     from medgraph.llm import load_llm
     from medgraph.llm.models import builtin_model_dir
-    from medgraph.methods.registry import make_config, run_method
+    from medgraph.methods.registry import make_config, record_evidence_recall, run_method
     from medgraph.methods.tools import KnowledgeTools
     from medgraph.qa.table import first_as_evaluated, load_qa_items
     from medgraph.retrieval import Retriever
@@ -134,6 +134,7 @@ def main() -> None:
                 t0 = time.perf_counter()
                 results[method, reader_name] = run_method(method, valid, tools, reader, make_config(method),
                                                           batch_size=len(valid))
+                record_evidence_recall(tools, valid, results[method, reader_name])
                 print(f"  {method} / {reader_name}: {time.perf_counter() - t0:.0f} s", flush=True)
             by_reader = {r: {x.qid: x for x in results[method, r]} for r in ("base", "adapted")}
             qids = sorted(by_reader["base"])
@@ -147,6 +148,8 @@ def main() -> None:
                 **{f"{r}_correct_by_shape": {h: f"{sum(x.correct for x in results[method, r] if shape[x.qid] == h)}/"
                                                 f"{sum(1 for q in qids if shape[q] == h)}"
                                              for h in sorted(set(shape.values()))}
+                   for r in ("base", "adapted")},
+                **{f"{r}_correct_when_gold_shown": _correct_when_gold_shown(results[method, r])
                    for r in ("base", "adapted")},
                 **{f"{r}_answers": dict(sorted(_counts(x.prediction for x in results[method, r]).items()))
                    for r in ("base", "adapted")},
@@ -175,6 +178,8 @@ def main() -> None:
               f"{row['base_asked_again']:.2f}/{row['adapted_asked_again']:.2f}")
         print(f"{'':<16} correct by shape base {row['base_correct_by_shape']}  "
               f"adapted {row['adapted_correct_by_shape']}")
+        print(f"{'':<16} correct when every gold fact was shown base {row['base_correct_when_gold_shown']}  "
+              f"adapted {row['adapted_correct_when_gold_shown']}")
         print(f"{'':<16} answers base {row['base_answers']}  adapted {row['adapted_answers']}")
         print(f"{'':<16} misses base {row['base_misses']}  adapted {row['adapted_misses']}")
 
@@ -239,6 +244,12 @@ def miss_kind(options: dict[str, str], gold: str, reply: str) -> str:
     if named == {gold}:
         return "letter"
     return "several" if gold in named else "wrong_option" if named else "no_option"
+
+
+def _correct_when_gold_shown(results) -> str:
+    """Reading apart from retrieval: "right/asked" over the questions whose gold facts were all in the evidence."""
+    shown = [result for result in results if result.gold_fact_seen == 1]
+    return f"{sum(result.correct for result in shown)}/{len(shown)}"
 
 
 def _counts(values) -> dict[str, int]:
