@@ -82,7 +82,7 @@ def main() -> None:
     from medgraph.home import HomeLayout
     from medgraph.llm import load_llm
     from medgraph.llm.models import builtin_model_dir
-    from medgraph.methods.registry import make_config, record_evidence_recall, run_method
+    from medgraph.methods.registry import make_config, run_method
     from medgraph.methods.tools import KnowledgeTools
     from medgraph.qa.table import first_as_evaluated, load_qa_items
     from medgraph.retrieval import Retriever
@@ -134,7 +134,6 @@ def main() -> None:
                 t0 = time.perf_counter()
                 results[method, reader_name] = run_method(method, valid, tools, reader, make_config(method),
                                                           batch_size=len(valid))
-                record_evidence_recall(tools, valid, results[method, reader_name])
                 print(f"  {method} / {reader_name}: {time.perf_counter() - t0:.0f} s", flush=True)
             by_reader = {r: {x.qid: x for x in results[method, r]} for r in ("base", "adapted")}
             qids = sorted(by_reader["base"])
@@ -247,7 +246,8 @@ def miss_kind(options: dict[str, str], gold: str, reply: str) -> str:
 
 
 def _correct_when_gold_shown(results) -> str:
-    """Reading apart from retrieval: "right/asked" over the questions whose gold facts were all in the evidence."""
+    """Reading apart from retrieval: "right/asked" over the questions whose gold facts were all in the evidence
+    (`gold_fact_seen`, which `run_method` sets as the evaluation does)."""
     shown = [result for result in results if result.gold_fact_seen == 1]
     return f"{sum(result.correct for result in shown)}/{len(shown)}"
 
