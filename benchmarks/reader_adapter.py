@@ -109,7 +109,8 @@ def main() -> None:
     with Retriever(warehouse, load_encoder("minilm")) as retriever:
         tools = KnowledgeTools(retriever)
         base = load_llm(args.llm, home=args.home)
-        examples, counts = reader_examples(retriever.graph, train, config, held_out, count_tokens=base.count_tokens)
+        examples, counts = reader_examples(retriever.graph, train, config, held_out, count_tokens=base.count_tokens,
+                                           tools=tools)
         print(f"{len(examples)} reader examples from {len(train)} train questions: {dict(counts)}", flush=True)
         for layout in dict.fromkeys(e.layout for e in examples):
             example = next(e for e in examples if e.layout == layout)

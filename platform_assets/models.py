@@ -239,7 +239,7 @@ def reader_adapter(context: dg.AssetExecutionContext, config: ReaderAdapterConfi
     with Retriever(store, encoder.load()) as retriever, mlflow_tracking.start_asset_run(context, READER_INPUTS):
         tools = KnowledgeTools(retriever)
         examples, counts = reader_examples(retriever.graph, train, reader_config, held_out,
-                                           count_tokens=base.count_tokens)
+                                           count_tokens=base.count_tokens, tools=tools)
         context.log.info(f"reader adapter: {len(examples)} examples from {len(train)} train questions "
                          f"({dict(counts)}); gate on {len(valid)} validation questions of {reader_config.valid_dataset}")
         mlflow.log_params({**reader_config.as_dict(), "base_model": base.name})

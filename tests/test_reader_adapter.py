@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 from dataclasses import replace
 from pathlib import Path
 
@@ -9,7 +10,11 @@ import pytest
 import torch
 
 from medgraph.kg.graph import KnowledgeGraph, Triple
+from medgraph.llm.scripted import ScriptedChatModel
+from medgraph.methods.baselines import rag_kg_evidence
 from medgraph.methods.common import parse_answer
+from medgraph.methods.registry import run_method
+from medgraph.methods.tools import KnowledgeTools
 from medgraph.qa.item import QaItem
 from medgraph.rl.reader import (
     NOT_FOUND,
@@ -21,6 +26,7 @@ from medgraph.rl.reader import (
     held_out_pairs,
     reader_examples,
     train_reader_adapter,
+    with_gold_at_rank,
 )
 from medgraph.rl.sft import SftConfig, lr_factor
 from medgraph.storage import Warehouse
@@ -199,6 +205,59 @@ def test_facts_of_held_out_questions_never_reach_the_examples(graph: KnowledgeGr
     check_no_leak([example], frozenset())
     with pytest.raises(ValueError, match=r"join concept pairs of validation or test questions, e.g. question q1"):
         check_no_leak([example], held_out_pairs([replace(item, qid="test-1")]) | {next(iter(example.pairs))})
+
+
+def as_gold(item: QaItem, gold: Triple, graph: KnowledgeGraph) -> QaItem:
+    """`item` (same question and options, so the same retrieval) about `gold` instead."""
+    others = [t.dst_cui for t in graph.one_hop([gold.src_cui]) if t.dst_cui != gold.dst_cui][:3]
+    return replace(item, extra={**item.extra, "gold_path": [gold.edge_id], "seed_cuis": [gold.src_cui],
+                                "answer_cuis": [gold.dst_cui], "option_cuis": [gold.dst_cui, *others],
+                                "gold_pairs": [sorted([gold.src_cui, gold.dst_cui])],
+                                "gold_facts": [[f"{gold.src_cui}|{gold.relation}|{gold.dst_cui}"]]})
+
+
+def test_the_rag_kg_layout_is_rag_kg_s_own_answering_call(tools: KnowledgeTools):
+    """RAFT's recipe: the example shows what the method's retriever returned for the question, word for word the
+    prompt `rag-kg` answers, the gold fact at the rank the retriever gave it."""
+    graph = tools.retriever.graph
+    item, _, _ = mc_item(graph)
+    passages, ranked = rag_kg_evidence(tools, [item])[0]
+    assert passages and len(ranked) > 3
+    item = as_gold(item, ranked[2], graph)  # the retriever's third fact is the gold one
+    config = ReaderConfig(gold_share=1.0, no_evidence_share=0.0, layouts=(("rag_kg", 1.0),))
+    (example,), counts = reader_examples(graph, [item], config, frozenset(), tools=tools)
+    recorder = ScriptedChatModel(["The answer is <answer>A</answer>."])
+    run_method("rag-kg", [item], tools, recorder)
+    assert counts["layout_rag_kg"] == 1 and example.layout == "rag_kg" and example.gold_shown
+    assert example.conversation[:2] == recorder.calls[0][0]
+    assert example.conversation[2].content.startswith(f"The evidence states that {ranked[2].text}.")
+
+    (withheld,), _ = reader_examples(graph, [item], replace(config, gold_share=0.0), frozenset(), tools=tools)
+    shown = withheld.conversation[1].content
+    assert ranked[2].text not in shown and ranked[3].text in shown and "Here are the relevant documents:" in shown
+    assert withheld.conversation[2].content == NOT_FOUND
+
+    # A fact joining a held-out pair never shows, though the retriever ranked it.
+    held_out = frozenset({frozenset((ranked[0].src_cui, ranked[0].dst_cui))})
+    (guarded,), counts = reader_examples(graph, [item], config, held_out, tools=tools)
+    assert ranked[0].text not in guarded.conversation[1].content and counts["dropped_held_out_facts"] >= 1
+    with pytest.raises(ValueError, match="needs `tools`"):
+        reader_examples(graph, [item], config, frozenset())
+
+
+def test_a_gold_fact_the_retriever_missed_goes_to_a_random_rank_and_the_last_other_makes_room():
+    def fact(name: str) -> Triple:
+        return Triple(f"e-{name}", "C1", name, "rel", "C2", name)
+
+    ranked = [fact(f"r{i}") for i in range(5)]
+    gold_found, gold_missed = fact("r1"), fact("g")
+    fact_of = {"e-r1": 0, "e-g": 1}.get
+    shown = with_gold_at_rank(ranked, [gold_found, gold_missed], lambda t: fact_of(t.edge_id), 5, random.Random(0))
+    assert len(shown) == 5 and shown.index(gold_found) == 1 and gold_missed in shown
+    assert ranked[4] not in shown and [t for t in shown if t is not gold_missed] == ranked[:4]
+    places = {with_gold_at_rank(ranked, [gold_missed], lambda t: fact_of(t.edge_id), 5,
+                                random.Random(seed)).index(gold_missed) for seed in range(40)}
+    assert len(places) >= 4  # no fixed place for the reader to learn
 
 
 @pytest.fixture(scope="module")

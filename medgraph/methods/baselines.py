@@ -131,18 +131,29 @@ class MedRag:
                       arguments={"query": retrieval_query(item, self.config.query_with_options)},
                       retrieved_ids=[p.chunk_id for p in passages] + [t.edge_id for t in triples],
                       latency_s=output.latency_s)]
-        sections = []
         evidence = EvidenceSeen()
-        if triples:
-            sections.append("Here are relevant knowledge graph facts:\n" + format_triples(triples))
-            evidence.add_triples(triples)
-        if passages:  # MedRAG's order: the documents, then the question
-            sections.append(documents_section([(p.title, p.text) for p in passages], self.config.passage_chars))
-            evidence.add_chunks([p.chunk_id for p in passages], self.config.passage_chars)
-        steps[0].observation = "\n\n".join(sections)
-        sections += [format_question(item), answer_instruction(item)]
-        reply = yield from answer_call(item, [system(EXPERT), user("\n\n".join(sections))], self.generation, steps)
+        evidence.add_triples(triples)
+        evidence.add_chunks([p.chunk_id for p in passages], self.config.passage_chars)
+        steps[0].observation = evidence_sections(passages, triples, self.config.passage_chars)
+        conversation = rag_prompt(item, passages, triples, self.config.passage_chars)
+        reply = yield from answer_call(item, conversation, self.generation, steps)
         return finish_result(self.name, item, reply, steps, evidence=evidence)
+
+
+def evidence_sections(passages: Sequence[Passage], triples: Sequence[Triple], passage_chars: int) -> str:
+    """What `rag` and `rag-kg` show before the question: the KG facts, then MedRAG's documents ("" for none)."""
+    sections = [kg_facts_section(triples)] if triples else []
+    if passages:  # MedRAG's order: the documents, then the question
+        sections.append(documents_section([(p.title, p.text) for p in passages], passage_chars))
+    return "\n\n".join(sections)
+
+
+def rag_prompt(item: QaItem, passages: Sequence[Passage], triples: Sequence[Triple],
+               passage_chars: int = PASSAGE_CHARS) -> Conversation:
+    """The answering call of `rag` and `rag-kg` (and the reader adapter's `rag_kg` examples)."""
+    shown = evidence_sections(passages, triples, passage_chars)
+    return [system(EXPERT), user("\n\n".join([*([shown] if shown else []), format_question(item),
+                                              answer_instruction(item)]))]
 
 
 class MedRagWithTriples(MedRag):
@@ -156,12 +167,19 @@ class MedRagWithTriples(MedRag):
         self.kg_config = config
 
     def retrieve(self, items: list[QaItem]) -> list[tuple[list[Passage], list[Triple]]]:
-        """Each question's snippets and ranked triples."""
-        passages = [p for p, _ in super().retrieve(items)]
-        entities = self.tools.question_entities(items)
-        triples = self.tools.ranked_triples(entities, [item.question for item in items], top=self.kg_config.triples_k,
-                                            per_relation_limit=self.kg_config.max_triples_per_relation)
-        return [(p, [t for t, _ in row]) for p, row in zip(passages, triples)]
+        return rag_kg_evidence(self.tools, items, self.kg_config)
+
+
+def rag_kg_evidence(tools: KnowledgeTools, items: Sequence[QaItem], config: RagKgConfig = RagKgConfig(),
+                    ) -> list[tuple[list[Passage], list[Triple]]]:
+    """`rag-kg`'s retrieval: each question's snippets (MedRAG's query) and its concepts' 1-hop triples ranked by
+    similarity to the question, best first."""
+    queries = [retrieval_query(item, config.query_with_options) for item in items]
+    passages = tools.passages(queries, k=config.text_k)
+    entities = tools.question_entities(items)
+    triples = tools.ranked_triples(entities, [item.question for item in items], top=config.triples_k,
+                                   per_relation_limit=config.max_triples_per_relation)
+    return [(p, [t for t, _ in row]) for p, row in zip(passages, triples, strict=True)]
 
 
 @dataclass(frozen=True)
@@ -211,9 +229,7 @@ def kg_facts_section(triples: Sequence[Triple]) -> str:
 
 def kg_facts_prompt(item: QaItem, triples: Sequence[Triple]) -> Conversation:
     """The answering call of `oracle-evidence`: the facts, the question and the answer instruction."""
-    sections = [kg_facts_section(triples)] if triples else []
-    sections += [format_question(item), answer_instruction(item)]
-    return [system(EXPERT), user("\n\n".join(sections))]
+    return rag_prompt(item, [], triples)
 
 
 def stated_keys(item: QaItem, facts: Sequence[Triple]) -> set[str]:

@@ -14,6 +14,10 @@ methods' answering calls use (`LAYOUTS`, drawn per example):
     documents   MedRAG's "Here are the relevant documents:" with concept texts as `kg.kg_node_text` writes them
                 ("amlodipine. Semantic type: ... Relations: may treat Hypertension; ..."): the facts grouped by
                 their subject, and the other options' concepts described without relations
+    rag_kg      RAFT's own recipe: what `rag-kg` retrieved for the question (`methods.baselines.rag_kg_evidence`:
+                its ranked facts, then its passages), word for word its answering call (`rag_prompt`); a gold
+                fact the retriever missed goes to a random rank in place of the lowest-ranked other fact
+                (`with_gold_at_rank`), and withheld gold facts leave the rest as retrieved
 
     gold shown     RAFT's form, quoting the evidence: "The evidence states that amlodipine may treat
                     Hypertension. The answer is <answer>amlodipine</answer>." (the option's text, which every
@@ -51,10 +55,19 @@ from pathlib import Path
 from medgraph.kg.graph import KnowledgeGraph, Node, Triple
 from medgraph.llm.base import ChatModel, Conversation, assistant, system, user
 from medgraph.methods.a2rag import answer_conversation
-from medgraph.methods.baselines import EXPERT, documents_section, kg_facts_prompt, oracle_triples, stated_keys
+from medgraph.methods.baselines import (
+    EXPERT,
+    RagKgConfig,
+    documents_section,
+    kg_facts_prompt,
+    oracle_triples,
+    rag_kg_evidence,
+    rag_prompt,
+    stated_keys,
+)
 from medgraph.methods.common import answer_instruction, format_question
 from medgraph.methods.registry import run_method
-from medgraph.methods.tools import KnowledgeTools
+from medgraph.methods.tools import KnowledgeTools, Passage
 from medgraph.qa.item import QaItem, gold_edge_ids, gold_facts, gold_pairs
 from medgraph.rl.model import load_trainable, lora_of
 from medgraph.rl.rollout import encode_conversation
@@ -68,7 +81,7 @@ NOT_FOUND = "None of the facts answers the question."
 NOT_FOUND_DOCUMENTS = "None of the documents answers the question."
 
 # The answering-call layouts the examples are drawn from (module doc), and the default share of each.
-LAYOUTS = ("kg_facts", "a2rag", "documents")
+LAYOUTS = ("kg_facts", "a2rag", "documents", "rag_kg")
 DEFAULT_LAYOUTS = (("kg_facts", 0.4), ("a2rag", 0.3), ("documents", 0.3))
 ANSWER_FORMS = ("letter", "text")
 
@@ -286,17 +299,36 @@ def _layout_prompt(layout: str, item: QaItem, facts: Sequence[Triple], nodes: di
     return [system(EXPERT), user("\n\n".join([*sections, format_question(item), answer_instruction(item)]))]
 
 
+def with_gold_at_rank(ranked: Sequence[Triple], gold: Sequence[Triple], fact_of: Callable[[Triple], int | None],
+                      top: int, rng: random.Random) -> list[Triple]:
+    """A retriever's ranked facts with the gold facts in them: each gold fact the retriever found keeps its rank,
+    each it missed (no listing of that fact among `ranked`) goes to a random rank, and the lowest-ranked other
+    facts make room so at most `top` are shown. `fact_of`: which gold fact a triple lists (None: not gold)."""
+    found = {fact_of(t) for t in ranked} - {None}
+    shown = list(ranked)
+    for fact in gold:
+        if fact_of(fact) not in found:
+            shown.insert(rng.randrange(len(shown) + 1), fact)
+            found.add(fact_of(fact))
+    while len(shown) > top:
+        last_other = max(i for i, t in enumerate(shown) if fact_of(t) is None)
+        del shown[last_other]
+    return shown
+
+
 def reader_examples(graph: KnowledgeGraph, items: Sequence[QaItem], config: ReaderConfig,
                     held_out: frozenset[Pair], count_tokens: Callable[[str], int] = approx_tokens,
-                    ) -> tuple[list[ReaderExample], Counter[str]]:
+                    tools: KnowledgeTools | None = None) -> tuple[list[ReaderExample], Counter[str]]:
     """RAFT examples from train questions with options (see the module doc), and counts of what was kept,
-    withheld, dropped and skipped. `count_tokens`: the reader's token count of a target (its answer budget)."""
+    withheld, dropped and skipped. `count_tokens`: the reader's token count of a target (its answer budget);
+    `tools`: the retriever of the `rag_kg` layout (required when the config draws it)."""
     rng = random.Random(config.seed)
     layout_rng = random.Random(f"{config.seed}-layout")  # apart from `rng`: the layouts leave the withholding as it was
     names, weights = zip(*config.layouts, strict=True)
     stats: Counter[str] = Counter()
     examples = []
     shown_per_item = oracle_triples(graph, items, config.max_wrong)
+    retrieved = _retrieved(tools, items) if "rag_kg" in names else {}
     nodes = graph.nodes({c for item, shown in zip(items, shown_per_item, strict=True)
                          for c in [*(item.extra.get("option_cuis") or ()), *(t.src_cui for t in shown)]}) \
         if "documents" in names else {}
@@ -314,26 +346,37 @@ def reader_examples(graph: KnowledgeGraph, items: Sequence[QaItem], config: Read
         stats["dropped_held_out_facts"] += len(shown) - len(kept)
         gold_edges = set(gold_edge_ids(item) or ())
         stated = stated_keys(item, [t for t in kept if t.edge_id in gold_edges])
-        is_gold = [f"{t.src_cui}|{t.relation}|{t.dst_cui}" in stated for t in kept]
+        fact_of = _gold_fact_index(item, stated)
+        is_gold = [fact_of(t) is not None for t in kept]
         has_gold = any(is_gold)
         if not has_gold and (gold_edges or gold_facts(item)):
             stats["skipped_gold_missing"] += 1  # its fact is not in the graph (or was held out): nothing to cite
             continue
         yes_no = _is_yes_no(item)
         withhold = has_gold and not yes_no and rng.random() >= config.gold_share
+        gold = [] if withhold else [t for t, is_g in zip(kept, is_gold, strict=True) if is_g]
         if withhold:
-            kept = [t for t, gold in zip(kept, is_gold, strict=True) if not gold]
+            kept = [t for t, is_g in zip(kept, is_gold, strict=True) if not is_g]
         layout = layout_rng.choices(names, weights)[0]
+        passages: list[Passage] = []
+        if layout == "rag_kg":  # what rag-kg retrieved for the question, the gold facts in it unless withheld
+            passages, ranked = retrieved[item.qid]
+            ranked_kept = [t for t in ranked if _pair(t) not in held_out]
+            stats["dropped_held_out_facts"] += len(ranked) - len(ranked_kept)
+            others = [t for t in ranked_kept if fact_of(t) is None]
+            kept = with_gold_at_rank(ranked_kept if gold else others, gold, fact_of, RagKgConfig.triples_k,
+                                     layout_rng)
         if config.no_evidence_share and not yes_no and layout_rng.random() < config.no_evidence_share:
-            kept, withhold = [], True  # the retriever found nothing at all
+            kept, passages, withhold = [], [], True  # the retriever found nothing at all
             stats["no_evidence"] += 1
-        conversation = _layout_prompt(layout, item, kept, nodes, layout_rng)
+        conversation = (rag_prompt(item, passages, kept) if layout == "rag_kg"
+                        else _layout_prompt(layout, item, kept, nodes, layout_rng))
         unit = "document" if layout == "documents" else "fact"  # what the layout calls a piece of evidence
         if withhold:
             target = NOT_FOUND if unit == "fact" else NOT_FOUND_DOCUMENTS
         elif has_gold:
-            target = _quoting_target(item, [t for t, gold in zip(kept, is_gold, strict=True) if gold],
-                                     config.answer_form, count_tokens)
+            target = _quoting_target(item, [t for t in kept if fact_of(t) is not None], config.answer_form,
+                                     count_tokens)
         else:  # a "no" question: the fact it asks about is absent by design
             target = f"No {unit} states that. {name_the_option(item, config.answer_form)}"
         stats["gold_withheld" if withhold else "gold_shown"] += 1
@@ -341,6 +384,23 @@ def reader_examples(graph: KnowledgeGraph, items: Sequence[QaItem], config: Read
         examples.append(ReaderExample(item.qid, [*conversation, assistant(target)], not withhold,
                                       frozenset(_pair(t) for t in kept), layout))
     return examples, stats
+
+
+def _retrieved(tools: KnowledgeTools | None, items: Sequence[QaItem]) -> dict[str, tuple[list[Passage], list[Triple]]]:
+    """rag-kg's evidence (`rag_kg_evidence`, its default config) for every question with options, by qid."""
+    if tools is None:
+        raise ValueError("the rag_kg reader layout shows what rag-kg retrieves: reader_examples needs `tools`")
+    asked = [item for item in items if item.options]
+    return dict(zip((item.qid for item in asked), rag_kg_evidence(tools, asked), strict=True))
+
+
+def _gold_fact_index(item: QaItem, stated: set[str]) -> Callable[[Triple], int | None]:
+    """Which of the item's gold facts a triple lists (a fact may be listed both ways, `gold_facts`), or None."""
+    listed = gold_facts(item) or ()
+    index = {key: i for i, keys in enumerate(listed) for key in keys}
+    unlisted = sorted(stated - set(index))  # gold path triples without a listing of their own: a fact each
+    index |= {key: len(listed) + n for n, key in enumerate(unlisted)}
+    return lambda t: index.get(f"{t.src_cui}|{t.relation}|{t.dst_cui}")
 
 
 def _copies(item: QaItem, baited: bool, config: ReaderConfig) -> int:
