@@ -309,6 +309,8 @@ def fit_replies(policy: TransformersChatModel, encoded: Sequence[EncodedConversa
             if not order:  # epochs over a fresh shuffle
                 order = rng.sample(range(len(encoded)), len(encoded))
             batch_ids.append(order.pop())
+        # Micro-batches of like lengths: each is padded to its longest, and the loss sums over tokens either way.
+        batch_ids.sort(key=lambda i: len(encoded[i].ids))
         tokens = sum(encoded[i].policy_tokens for i in batch_ids)
         optimizer.zero_grad(set_to_none=True)
         total = 0.0
