@@ -180,8 +180,8 @@ class ReaderAdapterConfig(dg.Config):
     gold_share: float | None = None
     """Share of the multiple-choice examples that show their gold facts (RAFT's P); the rest withhold them."""
     layouts: dict[str, float] | None = None
-    """Answering-call layouts of the examples and their weights, e.g. {kg_facts: 0.4, a2rag: 0.3, documents: 0.3}
-    (the default); names as `medgraph.rl.reader.LAYOUTS`."""
+    """Answering-call layouts of the examples and their weights, e.g. {kg_facts: 0.3, a2rag: 0.2, documents: 0.2,
+    rag_kg: 0.3} (the default); names as `medgraph.rl.reader.LAYOUTS`."""
     no_evidence_share: float | None = None
     """Share of the multiple-choice examples shown no evidence at all (target: nothing found); 0.1 by default."""
     one_hop_copies: int | None = None
@@ -211,7 +211,7 @@ class ReaderAdapterConfig(dg.Config):
                           **{k: v for k, v in (("steps", self.steps), ("lr", self.lr)) if v is not None})
 
 
-@gpu_model_asset("reader_adapter", READER_INPUTS, code_version="8")
+@gpu_model_asset("reader_adapter", READER_INPUTS, code_version="9")
 def reader_adapter(context: dg.AssetExecutionContext, config: ReaderAdapterConfig, warehouse: WarehouseResource,
                    encoder: EncoderResource, llm: LlmResource, mlflow_tracking: MlflowResource,
                    training: TrainingResource) -> dg.MaterializeResult:
