@@ -17,6 +17,7 @@ from medgraph.methods.registry import run_method
 from medgraph.methods.tools import KnowledgeTools
 from medgraph.qa.item import QaItem
 from medgraph.rl.reader import (
+    DEFAULT_LAYOUTS,
     NOT_FOUND,
     NOT_FOUND_DOCUMENTS,
     ReaderConfig,
@@ -35,6 +36,8 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 HYPERTENSION = "C0020538"
 KG_FACTS = (("kg_facts", 1.0),)
+# The layouts that need only the graph (rag_kg needs a retriever: its own test below).
+GRAPH_ONLY = tuple((name, weight) for name, weight in DEFAULT_LAYOUTS if name != "rag_kg")
 
 
 @pytest.fixture(scope="module")
@@ -141,8 +144,10 @@ def test_one_hop_questions_can_enter_the_examples_more_than_once_each_drawn_afre
                (mc_item(graph, f"q{i}")[0] for i in range(10))]
     two_hop = [replace(item, extra={**item.extra, "hops": 2}) for item in
                (mc_item(graph, f"r{i}")[0] for i in range(10))]
-    once, _ = reader_examples(graph, one_hop + two_hop, ReaderConfig(baited_copies=1), frozenset())
-    thrice, _ = reader_examples(graph, one_hop + two_hop, ReaderConfig(one_hop_copies=3, baited_copies=1), frozenset())
+    once, _ = reader_examples(graph, one_hop + two_hop, ReaderConfig(layouts=GRAPH_ONLY, baited_copies=1),
+                              frozenset())
+    thrice, _ = reader_examples(graph, one_hop + two_hop,
+                                ReaderConfig(layouts=GRAPH_ONLY, one_hop_copies=3, baited_copies=1), frozenset())
     assert len(once) == 20 and len(thrice) == 40
     copies = [e for e in thrice if e.qid == "q0"]
     assert len(copies) == 3 and len({(e.layout, e.conversation[1].content) for e in copies}) > 1
@@ -163,7 +168,8 @@ def test_a_one_hop_question_baits_a_second_hop_when_its_answer_links_to_a_wrong_
     assert baits_a_second_hop(graph, [baited, clean, chain]) == [True, False, False]
     # baited_copies puts the baited question among the examples more often (times one_hop_copies); the clean one not.
     items = [replace(baited, qid="baited"), replace(clean, qid="clean")]
-    examples, _ = reader_examples(graph, items, ReaderConfig(baited_copies=3, one_hop_copies=2), frozenset())
+    examples, _ = reader_examples(graph, items, ReaderConfig(layouts=GRAPH_ONLY, baited_copies=3, one_hop_copies=2),
+                                  frozenset())
     assert [e.qid for e in examples].count("baited") == 6 and [e.qid for e in examples].count("clean") == 2
     with pytest.raises(ValueError, match="baited_copies"):
         ReaderConfig(baited_copies=0)
@@ -172,7 +178,8 @@ def test_a_one_hop_question_baits_a_second_hop_when_its_answer_links_to_a_wrong_
 def test_layouts_are_drawn_apart_from_the_withholding(graph: KnowledgeGraph):
     """Changing the layouts changes no example's gold-shown draw: the layouts have their own random stream."""
     items = [mc_item(graph, f"q{i}")[0] for i in range(20)]
-    mixed, counts = reader_examples(graph, items, ReaderConfig(gold_share=0.5, no_evidence_share=0.0), frozenset())
+    mixed, counts = reader_examples(graph, items, ReaderConfig(layouts=GRAPH_ONLY, gold_share=0.5,
+                                                               no_evidence_share=0.0), frozenset())
     alone, _ = reader_examples(graph, items, ReaderConfig(gold_share=0.5, no_evidence_share=0.0, layouts=KG_FACTS),
                                frozenset())
     assert [e.gold_shown for e in mixed] == [e.gold_shown for e in alone]
@@ -188,19 +195,20 @@ def test_layouts_are_drawn_apart_from_the_withholding(graph: KnowledgeGraph):
 def test_a_yes_no_item_always_shows_its_fact(graph: KnowledgeGraph):
     item, _, _ = mc_item(graph)
     yes_no = replace(item, options={"A": "yes", "B": "no"}, extra={**item.extra, "option_cuis": []})
-    (example,), _ = reader_examples(graph, [yes_no], ReaderConfig(gold_share=0.0), frozenset())
+    (example,), _ = reader_examples(graph, [yes_no], ReaderConfig(layouts=GRAPH_ONLY, gold_share=0.0), frozenset())
     assert example.gold_shown and example.conversation[2].content.endswith("The answer is <answer>yes</answer>.")
 
 
 def test_facts_of_held_out_questions_never_reach_the_examples(graph: KnowledgeGraph):
     item, gold, others = mc_item(graph)
     distractor = frozenset((HYPERTENSION, others[0]))
-    (example,), counts = reader_examples(graph, [item], ReaderConfig(gold_share=1.0), frozenset({distractor}))
+    (example,), counts = reader_examples(graph, [item], ReaderConfig(layouts=GRAPH_ONLY, gold_share=1.0),
+                                         frozenset({distractor}))
     assert distractor not in example.pairs and counts["dropped_held_out_facts"] >= 1
     # A validation question about the same pair as this train question: the train question is skipped.
     held_out = held_out_pairs([replace(item, qid="valid-1")])
     assert held_out == {frozenset((gold.src_cui, gold.dst_cui))}
-    examples, counts = reader_examples(graph, [item], ReaderConfig(), held_out)
+    examples, counts = reader_examples(graph, [item], ReaderConfig(layouts=GRAPH_ONLY), held_out)
     assert examples == [] and counts["skipped_held_out_question"] == 1
     check_no_leak([example], frozenset())
     with pytest.raises(ValueError, match=r"join concept pairs of validation or test questions, e.g. question q1"):
@@ -281,8 +289,9 @@ def tiny_reader_dir(smollm2, tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_the_adapter_learns_the_targets_and_leaves_the_base_weights_alone(graph: KnowledgeGraph,
                                                                          tiny_reader_dir: Path):
     items = [mc_item(graph, f"q{i}")[0] for i in range(4)]
-    config = ReaderConfig(gold_share=0.5, fit=SftConfig(steps=40, batch_size=4, micro_batch_size=4, lr=2e-2,
-                                                        lora_r=8, lora_alpha=16, device="cpu", bf16=False))
+    config = ReaderConfig(layouts=GRAPH_ONLY, gold_share=0.5,
+                          fit=SftConfig(steps=40, batch_size=4, micro_batch_size=4, lr=2e-2, lora_r=8, lora_alpha=16,
+                                        device="cpu", bf16=False))
     examples, _ = reader_examples(graph, items, config, frozenset())
     with pytest.raises(ValueError, match="validation or test"):  # refused before any model is loaded
         train_reader_adapter(tiny_reader_dir, examples, config, frozenset(examples[0].pairs))
@@ -305,8 +314,8 @@ def test_each_step_trains_at_its_scheduled_rate(graph: KnowledgeGraph, tiny_read
     items = [mc_item(graph, f"q{i}")[0] for i in range(2)]
     fit = SftConfig(steps=4, batch_size=2, micro_batch_size=2, lr=1e-3, lr_schedule="cosine", warmup_share=0.25,
                     lora_r=4, lora_alpha=8, device="cpu", bf16=False)
-    examples, _ = reader_examples(graph, items, ReaderConfig(fit=fit), frozenset())
-    result = train_reader_adapter(tiny_reader_dir, examples, ReaderConfig(fit=fit), frozenset())
+    examples, _ = reader_examples(graph, items, ReaderConfig(layouts=GRAPH_ONLY, fit=fit), frozenset())
+    result = train_reader_adapter(tiny_reader_dir, examples, ReaderConfig(layouts=GRAPH_ONLY, fit=fit), frozenset())
     assert [round(h["lr"], 9) for h in result.history] == [round(1e-3 * lr_factor(s, fit), 9) for s in range(1, 5)]
     assert result.history[0]["lr"] == pytest.approx(1e-3) and result.history[-1]["lr"] == pytest.approx(1e-4)
 
