@@ -16,7 +16,7 @@ machine state).
 from __future__ import annotations
 
 import argparse
-import random
+import itertools
 import time
 from pathlib import Path
 
@@ -43,6 +43,7 @@ def main() -> None:
     from medgraph.rl.model import load_trainable, lora_of, make_batch, token_logprobs
     from medgraph.rl.reader import ReaderConfig, held_out_pairs, reader_examples
     from medgraph.rl.rollout import encode_conversation
+    from medgraph.rl.sft import drawn_batches
     from medgraph.storage import Lake, Warehouse
 
     warehouse = Warehouse(args.home / "warehouse.duckdb", Lake(args.home / "lake"))
@@ -59,7 +60,7 @@ def main() -> None:
     encoded = [encode_conversation(reader.tokenizer, e.conversation, reader.eos_ids) for e in examples]
 
     fit = config.fit
-    batches = _drawn_batches(len(encoded), fit.batch_size, args.steps, fit.seed)
+    batches = list(itertools.islice(drawn_batches(len(encoded), fit.batch_size, fit.seed), args.steps))
     micro = fit.micro_batch_size
 
     def padded(batch: list[int]) -> int:
@@ -93,21 +94,6 @@ def main() -> None:
     if args.timed_steps:
         print(f"{args.timed_steps} batches, forward + backward: draw order {timed['draw order']:.1f} s, sorted "
               f"{timed['sorted']:.1f} s (sorted / draw order {timed['sorted'] / timed['draw order']:.3f})")
-
-
-def _drawn_batches(n: int, batch_size: int, steps: int, seed: int) -> list[list[int]]:
-    """The example indices of each step's batch, drawn as `fit_replies` draws them (epochs over a seeded shuffle)."""
-    rng = random.Random(seed)
-    order: list[int] = []
-    batches = []
-    for _ in range(steps):
-        batch: list[int] = []
-        while len(batch) < min(batch_size, n):
-            if not order:
-                order = rng.sample(range(n), n)
-            batch.append(order.pop())
-        batches.append(batch)
-    return batches
 
 
 if __name__ == "__main__":

@@ -74,7 +74,7 @@ from medgraph.rl.rollout import (
     validation_key,
 )
 from medgraph.rl.scale import VllmRollouts
-from medgraph.rl.sft import SftConfig, expert_demonstrations, lr_factor, train_sft
+from medgraph.rl.sft import SftConfig, drawn_batches, expert_demonstrations, lr_factor, train_sft
 from medgraph.storage import Warehouse
 from medgraph.tracking import GRAPH_R1_POLICY_MODEL, GRAPH_R1_SFT_MODEL, Tracking
 from platform_assets.policy import GraphR1PolicyConfig, GraphR1SftConfig, graph_r1_policy, graph_r1_sft
@@ -246,6 +246,16 @@ def test_the_cosine_schedule_warms_up_then_decays_to_a_tenth_and_constant_stays_
         SftConfig(lr_schedule="cosine", warmup_share=1.0)
     short = SftConfig(steps=5, lr_schedule="cosine", warmup_share=0.1)  # fewer steps than would warm up: none do
     assert lr_factor(1, short) == 1.0 and lr_factor(5, short) == pytest.approx(0.1)
+
+
+def test_sft_batches_go_through_every_example_once_per_epoch_and_repeat_with_the_seed():
+    batches = list(itertools.islice(drawn_batches(10, 4, seed=3), 5))  # 20 draws: two epochs of 10
+    assert [len(batch) for batch in batches] == [4] * 5
+    draws = [i for batch in batches for i in batch]
+    assert sorted(draws[:10]) == sorted(draws[10:]) == list(range(10)) and draws[:10] != draws[10:]
+    assert batches == list(itertools.islice(drawn_batches(10, 4, seed=3), 5))
+    assert batches != list(itertools.islice(drawn_batches(10, 4, seed=4), 5))
+    assert sorted(next(drawn_batches(3, 8, seed=0))) == [0, 1, 2]  # fewer examples than a batch: each once
 
 
 @pytest.mark.parametrize("profile", sorted(GRPO_PROFILES))

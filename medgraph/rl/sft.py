@@ -32,7 +32,7 @@ import math
 import random
 import time
 from collections import Counter
-from collections.abc import Callable, Generator, Sequence
+from collections.abc import Callable, Generator, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -287,6 +287,20 @@ def lr_factor(step: int, config: SftConfig) -> float:
     return 0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * min(progress, 1.0)))
 
 
+def drawn_batches(n: int, batch_size: int, seed: int) -> Iterator[list[int]]:
+    """The example indices of each step's batch, endlessly: `min(batch_size, n)` at a time from epochs over a fresh
+    seeded shuffle (a batch may straddle two epochs). `fit_replies` trains on these; benchmarks re-draw them."""
+    rng = random.Random(seed)
+    order: list[int] = []
+    while True:
+        batch: list[int] = []
+        while len(batch) < min(batch_size, n):
+            if not order:
+                order = rng.sample(range(n), n)
+            batch.append(order.pop())
+        yield batch
+
+
 def fit_replies(policy: TransformersChatModel, encoded: Sequence[EncodedConversation], config: SftConfig,
                 log_fn: Callable[[int, dict[str, float]], None] | None = None,
                 desc: str = "sft") -> tuple[list[dict[str, float]], dict[str, float]]:
@@ -297,18 +311,13 @@ def fit_replies(policy: TransformersChatModel, encoded: Sequence[EncodedConversa
     seed, bf16)."""
     started = time.perf_counter()
     torch.manual_seed(config.seed)
-    rng = random.Random(config.seed)
     optimizer = torch.optim.AdamW(trainable_parameters(policy.model), lr=config.lr, weight_decay=config.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda done: lr_factor(done + 1, config))
-    order: list[int] = []
     history: list[dict[str, float]] = []
     policy.model.train()
+    batches = drawn_batches(len(encoded), config.batch_size, config.seed)
     for step in tqdm(range(1, config.steps + 1), desc=desc, disable=not config.progress):
-        batch_ids = []
-        while len(batch_ids) < min(config.batch_size, len(encoded)):
-            if not order:  # epochs over a fresh shuffle
-                order = rng.sample(range(len(encoded)), len(encoded))
-            batch_ids.append(order.pop())
+        batch_ids = next(batches)
         # Micro-batches of like lengths: each is padded to its longest, and the loss sums over tokens either way.
         batch_ids.sort(key=lambda i: len(encoded[i].ids))
         tokens = sum(encoded[i].policy_tokens for i in batch_ids)
