@@ -110,6 +110,12 @@ def retrieval_query(item: QaItem, with_options: bool = False) -> str:
     return " ".join([item.question, *item.options.values()]) if with_options else item.question
 
 
+def medrag_snippets(tools: KnowledgeTools, items: Sequence[QaItem], config: RagConfig | RagKgConfig,
+                    ) -> list[list[Passage]]:
+    """MedRAG's retrieval, shared by `rag` and `rag-kg`: each question's `text_k` snippets for its query."""
+    return tools.passages([retrieval_query(item, config.query_with_options) for item in items], k=config.text_k)
+
+
 class MedRag:
     """MedRAG: one hybrid (BM25 + dense, RRF) snippet retrieval, one answer; no KG facts."""
 
@@ -121,8 +127,7 @@ class MedRag:
 
     def retrieve(self, items: list[QaItem]) -> list[tuple[list[Passage], list[Triple]]]:
         """Each question's snippets, and no triples."""
-        queries = [retrieval_query(item, self.config.query_with_options) for item in items]
-        return [(passages, []) for passages in self.tools.passages(queries, k=self.config.text_k)]
+        return [(passages, []) for passages in medrag_snippets(self.tools, items, self.config)]
 
     def episode(self, item: QaItem) -> Episode:
         output = yield ToolCall(self.retrieve, item)
@@ -174,8 +179,7 @@ def rag_kg_evidence(tools: KnowledgeTools, items: Sequence[QaItem], config: RagK
                     ) -> list[tuple[list[Passage], list[Triple]]]:
     """`rag-kg`'s retrieval: each question's snippets (MedRAG's query) and its concepts' 1-hop triples ranked by
     similarity to the question, best first."""
-    queries = [retrieval_query(item, config.query_with_options) for item in items]
-    passages = tools.passages(queries, k=config.text_k)
+    passages = medrag_snippets(tools, items, config)
     entities = tools.question_entities(items)
     triples = tools.ranked_triples(entities, [item.question for item in items], top=config.triples_k,
                                    per_relation_limit=config.max_triples_per_relation)
