@@ -22,13 +22,15 @@ from pathlib import Path
 
 import torch
 
+from medgraph.rl.reader import DEFAULT_LAYOUTS, DEMO_FIT
+
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--home", type=Path, default=Path(".medgraph"), help="a `make demo` home")
     parser.add_argument("--llm", default="smollm2-135m-instruct")
-    parser.add_argument("--layouts", default="kg_facts:0.3,a2rag:0.2,documents:0.2,rag_kg:0.3")
-    parser.add_argument("--steps", type=int, default=135)
+    parser.add_argument("--layouts", default=",".join(f"{name}:{weight:g}" for name, weight in DEFAULT_LAYOUTS))
+    parser.add_argument("--steps", type=int, default=DEMO_FIT.steps)
     parser.add_argument("--timed-steps", type=int, default=6)
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()

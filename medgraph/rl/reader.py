@@ -88,12 +88,12 @@ LAYOUTS = ("kg_facts", "a2rag", "documents", "rag_kg")
 DEFAULT_LAYOUTS = (("kg_facts", 0.3), ("a2rag", 0.2), ("documents", 0.2), ("rag_kg", 0.3))
 ANSWER_FORMS = ("letter", "text")
 
-# `make demo` on 2 CPU cores: 135 steps of 8 examples (~15 s a step with rag_kg's long examples, 7-10 s without;
-# three quarters of the examples seen once). A
-# constant 1e-3 ends where its last batches leave it (validation 0.50-0.79 over three seeds, one fit answering "none
-# found" to 29 of 48); a cosine decay from 2e-3 ends calm (run 11). With chained 2-hop targets, 90 steps read better
-# than 60 (run 12); on validation drawn as the evaluation draws, 135 steps read better than 90 over three seeds (mean
-# 0.847 vs 0.806, the weakest 0.812 vs 0.729) and still answer no better without evidence (runs 13-14).
+# `make demo` on 2 CPU cores: 135 steps of 8 examples (~15 s a step with rag_kg's long examples, 7-10 s without; three
+# quarters of the examples seen once). A constant 1e-3 ends where its last batches leave it (validation 0.50-0.79 over
+# three seeds, one fit answering "none found" to 29 of 48); a cosine decay from 2e-3 ends calm (run 11). With chained
+# 2-hop targets, 90 steps read better than 60 (run 12); on validation drawn as the evaluation draws, 135 steps read
+# better than 90 over three seeds (mean 0.847 vs 0.806, the weakest 0.812 vs 0.729) and still answer no better without
+# evidence (runs 13-14).
 DEMO_FIT = SftConfig(steps=135, batch_size=8, micro_batch_size=4, lr=2e-3, lr_schedule="cosine", warmup_share=0.1,
                      lora_r=16, lora_alpha=32)
 
