@@ -246,6 +246,18 @@ def smollm2(tmp_path_factory: pytest.TempPathFactory):
     return load_llm("smollm2-135m-instruct", home=tmp_path_factory.mktemp("llm_home"), device="cpu")
 
 
+def share_converted_llm(home: Path, llm) -> None:
+    """Give `home` the session's converted checkpoint of the built-in LLM `llm` (a link), as a home that had
+    converted it before would hold it. `dg.materialize` builds its resources anew (a loaded model set on a
+    resource does not survive it), so an asset loads the LLM from the home, and a fresh home would convert the
+    package's GGUF again (~30 s)."""
+    from medgraph.llm.models import models_root
+
+    target = models_root(home) / llm.model_dir.name
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.symlink_to(llm.model_dir, target_is_directory=True)
+
+
 @pytest.fixture(scope="session")
 def s3_server() -> str:
     """A real S3-compatible server (moto's standalone server) on loopback for the session; its endpoint URL.

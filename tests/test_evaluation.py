@@ -7,7 +7,7 @@ from pathlib import Path
 
 import dagster as dg
 import pytest
-from conftest import copy_warehouse
+from conftest import copy_warehouse, share_converted_llm
 
 from medgraph.eval.evaluate import binomial_se, summarize
 from medgraph.methods.common import finish_result
@@ -28,20 +28,20 @@ def test_summaries_count_parse_failures_as_wrong_with_binomial_error():
 
 
 @pytest.fixture
-def eval_home(retrieval_warehouse: Warehouse, tmp_path: Path) -> Path:
+def eval_home(retrieval_warehouse: Warehouse, smollm2, tmp_path: Path) -> Path:
     warehouse = copy_warehouse(retrieval_warehouse, tmp_path / "home")
     generate_qa_items(warehouse, tmp_path / "home" / "qa", per_type=20)
+    share_converted_llm(tmp_path / "home", smollm2)
     return tmp_path / "home"
 
 
 @pytest.fixture
-def resources(eval_home: Path, smollm2, encoder, mlflow_db: Path) -> dict[str, dg.ConfigurableResource]:
-    """The real resources over the test home, with the session's SmolLM2 and encoder already loaded."""
+def resources(eval_home: Path, mlflow_db: Path) -> dict[str, dg.ConfigurableResource]:
+    """The real resources over the test home. `dg.materialize` builds resources anew, so each run loads the LLM
+    (the session's conversion, linked into the home by `eval_home`) and the encoder itself."""
     llm = LlmResource(spec="smollm2-135m-instruct", home=str(eval_home))
-    llm._llm = smollm2
-    encoder_resource = EncoderResource(max_length=128)
-    encoder_resource._encoder = encoder
-    return {"warehouse": WarehouseResource(home=str(eval_home)), "llm": llm, "encoder": encoder_resource,
+    return {"warehouse": WarehouseResource(home=str(eval_home)), "llm": llm,
+            "encoder": EncoderResource(max_length=128),
             "mlflow_tracking": MlflowResource(tracking_uri=f"sqlite:///{mlflow_db}",
                                               artifact_root=str(eval_home / "artifacts")),
             "training": TrainingResource(profile="tiny")}

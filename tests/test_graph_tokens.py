@@ -10,7 +10,7 @@ from pathlib import Path
 import dagster as dg
 import pytest
 import torch
-from conftest import copy_warehouse
+from conftest import copy_warehouse, share_converted_llm
 
 import platform_assets.models as model_assets
 from medgraph.eval.gsrm import params_path
@@ -69,8 +69,12 @@ def tokenizer(qa_warehouse: Warehouse, smollm2) -> GraphTokenizer:
 
 @pytest.fixture(scope="module")
 def two_examples(qa_warehouse: Warehouse, tools: KnowledgeTools) -> list[ProjectorExample]:
-    """Two training examples as A2RAG retrieves them (retrieval is most of loading: shared by the module)."""
-    return load_examples(qa_warehouse, "train", CONFIG, tools, limit=4)[:2]
+    """Two training examples as A2RAG retrieves them (retrieval is most of loading: shared by the module), their
+    prompts cut to three facts and no passage: the tests that take them check the mechanics (shapes, gradients,
+    logits kept, recomputation), which do not depend on the prompt's length, and SmolLM2's forward and backward
+    cost grows with it (the whole prompts took ~2 minutes of these tests on one CPU thread)."""
+    examples = load_examples(qa_warehouse, "train", CONFIG, tools, limit=4)[:2]
+    return [replace(example, context=example.context[:3], passages=()) for example in examples]
 
 
 def test_examples_hold_what_a2rag_retrieves_and_its_answer_prompt(qa_warehouse: Warehouse, tools: KnowledgeTools):
@@ -177,7 +181,7 @@ def test_recomputing_the_frozen_llms_activations_gives_the_same_loss_and_gradien
     assert not any(getattr(m, "gradient_checkpointing", False) for m in smollm2.model.modules())
 
 
-def test_projector_must_beat_a2rags_text_only_answer_then_the_champion(qa_warehouse: Warehouse, smollm2, encoder,
+def test_projector_must_beat_a2rags_text_only_answer_then_the_champion(qa_warehouse: Warehouse, smollm2,
                                                                         tmp_path: Path, mlflow_db: Path,
                                                                         monkeypatch: pytest.MonkeyPatch,
                                                                         request: pytest.FixtureRequest):
@@ -187,10 +191,9 @@ def test_projector_must_beat_a2rags_text_only_answer_then_the_champion(qa_wareho
     tuned = params_path(home)
     write_json_atomically(tuned, {"tau": 0.5, "iterations": 1, "top_n": 15})
     request.addfinalizer(lambda: tuned.unlink(missing_ok=True))  # the warehouse is shared by the module
+    share_converted_llm(tmp_path, smollm2)  # the assets load the LLM from this home: no second conversion
     llm = LlmResource(spec="smollm2-135m-instruct", home=str(tmp_path))
-    llm._llm = smollm2  # the session's loaded model: the resource would load the same one
     encoder_resource = EncoderResource(max_length=128)
-    encoder_resource._encoder = encoder
     resources = {"warehouse": WarehouseResource(home=str(home)), "llm": llm, "encoder": encoder_resource,
                  "mlflow_tracking": MlflowResource(tracking_uri=f"sqlite:///{mlflow_db}",
                                                    artifact_root=str(tmp_path / "artifacts")),

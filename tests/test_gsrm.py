@@ -173,9 +173,8 @@ def gsrm_home(retrieval_warehouse: Warehouse, tmp_path: Path) -> Path:
     return tmp_path / "home"
 
 
-def test_gsrm_assets_tune_on_validation_and_measure_every_test_item(gsrm_home: Path, encoder, mlflow_db: Path):
+def test_gsrm_assets_tune_on_validation_and_measure_every_test_item(gsrm_home: Path, mlflow_db: Path):
     encoder_resource = EncoderResource(max_length=128)
-    encoder_resource._encoder = encoder
     resources = {"warehouse": WarehouseResource(home=str(gsrm_home)), "encoder": encoder_resource,
                  "mlflow_tracking": MlflowResource(tracking_uri=f"sqlite:///{mlflow_db}",
                                                    artifact_root=str(gsrm_home / "artifacts"))}
@@ -225,7 +224,7 @@ def test_gsrm_assets_tune_on_validation_and_measure_every_test_item(gsrm_home: P
     assert recall.metadata["items"].value == len(test_items) and "k=2" in recall.metadata["recall"].value
 
 
-def test_eval_a2rag_runs_gsrm_with_the_tuned_values_and_records_them(gsrm_home: Path, encoder, mlflow_db: Path):
+def test_eval_a2rag_runs_gsrm_with_the_tuned_values_and_records_them(gsrm_home: Path, mlflow_db: Path):
     from medgraph.llm.scripted import ScriptedChatModel
     from platform_assets.evaluation import eval_assets, qa_benchmark
     from resources import LlmResource
@@ -239,7 +238,6 @@ def test_eval_a2rag_runs_gsrm_with_the_tuned_values_and_records_them(gsrm_home: 
 
     llm = ScriptedLlm(home=str(gsrm_home))
     encoder_resource = EncoderResource(max_length=128)
-    encoder_resource._encoder = encoder
     resources = {"warehouse": WarehouseResource(home=str(gsrm_home)), "encoder": encoder_resource, "llm": llm,
                  "mlflow_tracking": MlflowResource(tracking_uri=f"sqlite:///{mlflow_db}",
                                                    artifact_root=str(gsrm_home / "artifacts"))}
