@@ -32,9 +32,13 @@ def resources(home: Path, mlflow_db: Path) -> dict[str, dg.ConfigurableResource]
 
 
 def train(resources: dict, instance: dg.DagsterInstance, **config: object) -> dict[str, dg.MetadataValue]:
-    torch.set_num_threads(1)
-    result = dg.materialize([gat_model], resources=resources, instance=instance, run_config=dg.RunConfig(
-        ops={"models__gat_model": {"config": {"profile": "tiny", **config}}}))
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)  # the tiny GAT's small sparse ops; set back after: it used to stay for later modules
+    try:
+        result = dg.materialize([gat_model], resources=resources, instance=instance, run_config=dg.RunConfig(
+            ops={"models__gat_model": {"config": {"profile": "tiny", **config}}}))
+    finally:
+        torch.set_num_threads(previous)
     (materialization,) = result.asset_materializations_for_node("models__gat_model")
     return materialization.metadata
 

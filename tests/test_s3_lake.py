@@ -85,13 +85,10 @@ class BothLakes:
 
 
 @pytest.fixture(scope="module")
-def both_lakes(tiny_release: Path, tmp_path_factory: pytest.TempPathFactory, s3_server: str) -> BothLakes:
+def both_lakes(tiny_release: Path, tmp_path_factory: pytest.TempPathFactory, s3_server: str,
+               one_torch_thread) -> BothLakes:
     """The same assets materialized once with a local lake and once with an S3 lake (module scope:
     the tests below compare and exercise the two)."""
-    import torch
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # small batches: two torch threads spin-wait on each other on a busy 2-core machine
     with pytest.MonkeyPatch.context() as monkeypatch:
         home = tmp_path_factory.mktemp("both_lakes")
         for name, value in {"AWS_ACCESS_KEY_ID": "testing-key-id", "AWS_SECRET_ACCESS_KEY": "testing-secret",
@@ -109,7 +106,6 @@ def both_lakes(tiny_release: Path, tmp_path_factory: pytest.TempPathFactory, s3_
         remote = materialize_graph({"MEDGRAPH_HOME": str(home / "s3"), "MEDGRAPH_UMLS_DIR": release_uri,
                                     "MEDGRAPH_PROFILE": "tiny", "MEDGRAPH_LAKE": f"s3://{bucket}/lake",
                                     "MEDGRAPH_S3_ENDPOINT_URL": s3_server})
-        torch.set_num_threads(threads)
         yield BothLakes(local, remote, s3, bucket, home / "s3")
 
 
