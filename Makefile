@@ -46,7 +46,8 @@ $(DAGSTER_HOME)/dagster.yaml: deploy/local/dagster.yaml
 # TEST_WORKERS=N runs the suite in N pytest-xdist processes (whole files per worker; the expensive session
 # warehouses are built once for all workers). On 2 cores it buys nothing: the suite is CPU-bound (quiet
 # fresh-clone runs the same day: 2 workers 1,088 s with 16% more CPU time, one process 1,093 s), so the default
-# is one process.
+# is one process, in which torch keeps both cores' threads (tests pin one thread only under xdist: conftest's
+# one_torch_thread).
 TEST_WORKERS ?= 0
 test: install
 	$(BIN)/pytest -n $(TEST_WORKERS) --dist loadfile
