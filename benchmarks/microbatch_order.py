@@ -22,14 +22,14 @@ from pathlib import Path
 
 import torch
 
-from medgraph.rl.reader import DEFAULT_LAYOUTS, DEMO_FIT
+from medgraph.rl.reader import DEFAULT_LAYOUTS, DEMO_FIT, layouts_text, parse_layouts
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--home", type=Path, default=Path(".medgraph"), help="a `make demo` home")
     parser.add_argument("--llm", default="smollm2-135m-instruct")
-    parser.add_argument("--layouts", default=",".join(f"{name}:{weight:g}" for name, weight in DEFAULT_LAYOUTS))
+    parser.add_argument("--layouts", default=layouts_text(DEFAULT_LAYOUTS))
     parser.add_argument("--steps", type=int, default=DEMO_FIT.steps)
     parser.add_argument("--timed-steps", type=int, default=6)
     parser.add_argument("--threads", type=int, default=2)
@@ -49,8 +49,7 @@ def main() -> None:
     from medgraph.storage import Lake, Warehouse
 
     warehouse = Warehouse(args.home / "warehouse.duckdb", Lake(args.home / "lake"))
-    layouts = tuple((name, float(weight)) for name, weight in (part.split(":") for part in args.layouts.split(",")))
-    config = ReaderConfig(layouts=layouts)
+    config = ReaderConfig(layouts=parse_layouts(args.layouts))
     train = load_qa_items(warehouse, "train")
     held_out = held_out_pairs([*load_qa_items(warehouse, "validation"), *load_qa_items(warehouse, "test")])
     base = load_llm(args.llm, home=args.home)

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from medgraph.rl.reader import ANSWER_FORMS, DEFAULT_LAYOUTS, DEMO_FIT, ReaderConfig
+from medgraph.rl.reader import ANSWER_FORMS, DEFAULT_LAYOUTS, DEMO_FIT, ReaderConfig, layouts_text, parse_layouts
 
 
 def main() -> None:
@@ -44,7 +44,7 @@ def main() -> None:
                         help="share of the steps the cosine schedule warms up")
     parser.add_argument("--lora-layers", type=int, default=None, help="adapt only the top N blocks (default: all)")
     parser.add_argument("--gold-share", type=float, default=ReaderConfig.gold_share)
-    parser.add_argument("--layouts", default=",".join(f"{name}:{weight:g}" for name, weight in DEFAULT_LAYOUTS),
+    parser.add_argument("--layouts", default=layouts_text(DEFAULT_LAYOUTS),
                         help="answering-call layouts of the examples and their weights (medgraph.rl.reader.LAYOUTS)")
     parser.add_argument("--one-hop-copies", type=int, default=ReaderConfig.one_hop_copies,
                         help="copies of each one-hop multiple-choice train question among the examples")
@@ -91,7 +91,7 @@ def main() -> None:
     from medgraph.storage import Lake, Warehouse
 
     warehouse = Warehouse(args.home / "warehouse.duckdb", Lake(args.home / "lake"))
-    layouts = tuple((name, float(weight)) for name, weight in (part.split(":") for part in args.layouts.split(",")))
+    layouts = parse_layouts(args.layouts)
     config = ReaderConfig(gold_share=args.gold_share, layouts=layouts, no_evidence_share=args.no_evidence_share,
                           one_hop_copies=args.one_hop_copies, baited_copies=args.baited_copies,
                           answer_form=args.answer_form, seed=args.seed)

@@ -25,6 +25,8 @@ from medgraph.rl.reader import (
     baits_a_second_hop,
     check_no_leak,
     held_out_pairs,
+    layouts_text,
+    parse_layouts,
     reader_examples,
     train_reader_adapter,
     with_gold_at_rank,
@@ -355,3 +357,11 @@ def test_a_two_hop_target_quotes_its_facts_from_the_question_concept_to_the_answ
     assert _quoting_target(item, [hop_to_answer, hop_from_question], "text") == (
         "The evidence states that Purpura isa Subcutaneous hemorrhage; and that Subcutaneous hemorrhage manifestation "
         "of Microscopic polyangiitis. The answer is <answer>Microscopic polyangiitis</answer>.")
+
+
+def test_layouts_read_back_as_written_and_a_malformed_string_is_named():
+    assert layouts_text(DEFAULT_LAYOUTS) == "kg_facts:0.3,a2rag:0.2,documents:0.2,rag_kg:0.3"
+    assert parse_layouts(layouts_text(DEFAULT_LAYOUTS)) == DEFAULT_LAYOUTS
+    assert ReaderConfig().as_dict()["layouts"] == layouts_text(DEFAULT_LAYOUTS)
+    with pytest.raises(ValueError, match="name:weight.*'kg_facts0.3'"):
+        parse_layouts("kg_facts0.3")

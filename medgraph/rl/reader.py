@@ -88,6 +88,20 @@ LAYOUTS = ("kg_facts", "a2rag", "documents", "rag_kg")
 DEFAULT_LAYOUTS = (("kg_facts", 0.3), ("a2rag", 0.2), ("documents", 0.2), ("rag_kg", 0.3))
 ANSWER_FORMS = ("letter", "text")
 
+
+def layouts_text(layouts: Sequence[tuple[str, float]]) -> str:
+    """Layouts and their weights as one string, "kg_facts:0.3,a2rag:0.2" (MLflow params, benchmark flags)."""
+    return ",".join(f"{name}:{weight:g}" for name, weight in layouts)
+
+
+def parse_layouts(text: str) -> tuple[tuple[str, float], ...]:
+    """`layouts_text`'s string back to (name, weight) pairs; `ReaderConfig` checks the names and weights."""
+    pairs = [part.split(":") for part in text.split(",")]
+    if any(len(pair) != 2 for pair in pairs):
+        raise ValueError(f"reader layouts must read name:weight,name:weight (e.g. {layouts_text(DEFAULT_LAYOUTS)}); "
+                         f"got {text!r}")
+    return tuple((name.strip(), float(weight)) for name, weight in pairs)
+
 # `make demo` on 2 CPU cores: 135 steps of 8 examples (~15 s a step with rag_kg's long examples, 7-10 s without; three
 # quarters of the examples seen once). A constant 1e-3 ends where its last batches leave it (validation 0.50-0.79 over
 # three seeds, one fit answering "none found" to 29 of 48); a cosine decay from 2e-3 ends calm (run 11). With chained
@@ -153,7 +167,7 @@ class ReaderConfig:
                if k in ("steps", "batch_size", "micro_batch_size", "lr", "lr_schedule", "warmup_share", "lora_r",
                         "lora_alpha", "lora_layers")}
         return {"gold_share": self.gold_share, "max_wrong": self.max_wrong,
-                "layouts": ",".join(f"{name}:{weight:g}" for name, weight in self.layouts),
+                "layouts": layouts_text(self.layouts),
                 "no_evidence_share": self.no_evidence_share, "answer_form": self.answer_form,
                 "one_hop_copies": self.one_hop_copies, "baited_copies": self.baited_copies,
                 "valid_dataset": self.valid_dataset,
