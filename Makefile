@@ -16,11 +16,12 @@ export TRANSFORMERS_OFFLINE := 1
 # pip prints one warning per package about optional local index folders; keep real errors visible.
 PIP_QUIET := 2>&1 | { grep -v "^WARNING: Location 'file:///opt" || true; }
 
-.PHONY: help install test demo ui clean
+.PHONY: help install test demo reproduce ui clean
 help:
-	@echo "make demo   install, then materialize every asset on the embedded sample release"
-	@echo "make test   install, then run the test suite"
-	@echo "make ui     start the Dagster UI (dagster dev) on the same state ($(MEDGRAPH_HOME))"
+	@echo "make demo       install, then materialize every asset on the embedded sample release (short fits, ~20 min)"
+	@echo "make reproduce  the same with the research settings: full fits, ablations, the adapted reader (~45 min goal)"
+	@echo "make test       install, then run the test suite"
+	@echo "make ui         start the Dagster UI (dagster dev) on the same state ($(MEDGRAPH_HOME))"
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -58,24 +59,33 @@ test: install
 # the unpartitioned assets run in the same run), GSRM's retrieval-level recall over every test item (no LLM) and
 # the report: each `dg launch` pays ~15 s of start-up (Dagster, the dbt manifest, torch). Each further dataset's
 # evaluations are one more run, and the report is then refreshed.
-# One dataset by default (the KG-derived multiple-choice questions) to keep the demo in minutes on a laptop;
-# e.g. `make demo DEMO_DATASETS="kgqa_mc kgqa_short kgqa_yesno"` for more.
+# `make demo` is the tour (short fits, no ablations: ~20 min on 2 cores); `make reproduce` the research run (the
+# models at their chosen settings, the ablations and the adapted reader's rows). Both use the same home.
+# One dataset by default (the KG-derived multiple-choice questions); e.g.
+# `make demo DATASETS="kgqa_mc kgqa_short kgqa_yesno"` for more.
 EVALUATIONS := group:evaluation and not key:"eval/evaluation_report" and not key:"eval/gsrm_recall"
-DEMO_DATASETS ?= kgqa_mc
-MORE_DATASETS = $(wordlist 2,$(words $(DEMO_DATASETS)),$(DEMO_DATASETS))
-demo: install $(DAGSTER_HOME)/dagster.yaml
+DATASETS ?= $(or $(DEMO_DATASETS),kgqa_mc)
+MORE_DATASETS = $(wordlist 2,$(words $(DATASETS)),$(DATASETS))
+# $(call materialize,run config,eval config)
+define materialize
 	$(BIN)/python -m jobs.recovery
-	$(BIN)/dg launch -m definitions --assets 'not group:text_extraction' --partition $(firstword $(DEMO_DATASETS)) \
-	  -c deploy/local/demo_run_config.yaml -c deploy/local/demo_eval_config.yaml
+	$(BIN)/dg launch -m definitions --assets 'not group:text_extraction' --partition $(firstword $(DATASETS)) \
+	  -c $(1) -c $(2)
 	for dataset in $(MORE_DATASETS); do \
-	  $(BIN)/dg launch -m definitions --assets '$(EVALUATIONS)' --partition $$dataset \
-	    -c deploy/local/demo_eval_config.yaml || exit 1; \
+	  $(BIN)/dg launch -m definitions --assets '$(EVALUATIONS)' --partition $$dataset -c $(2) || exit 1; \
 	done
 	if [ -n "$(MORE_DATASETS)" ]; then \
-	  $(BIN)/dg launch -m definitions --assets 'key:"eval/evaluation_report"' -c deploy/local/demo_eval_config.yaml; \
+	  $(BIN)/dg launch -m definitions --assets 'key:"eval/evaluation_report"' -c $(2); \
 	fi
 	$(BIN)/medgraph status
 	@echo "report: $(MEDGRAPH_HOME)/reports/report.html   UI: make ui (then http://127.0.0.1:3000)"
+endef
+
+demo: install $(DAGSTER_HOME)/dagster.yaml
+	$(call materialize,deploy/local/demo_run_config.yaml,deploy/local/demo_eval_config.yaml)
+
+reproduce: install $(DAGSTER_HOME)/dagster.yaml
+	$(call materialize,deploy/local/reproduce_run_config.yaml,deploy/local/reproduce_eval_config.yaml)
 
 ui: install $(DAGSTER_HOME)/dagster.yaml
 	$(BIN)/python -m jobs.recovery

@@ -188,10 +188,12 @@ def test_gpu_models_are_retrained_by_the_schedule_alone():
     assert set(GPU_MODELS) <= set(job.asset_layer.executable_asset_keys)
 
 
-def test_make_demo_runs_everything_in_one_launch_whose_config_is_valid():
-    """The demo's single run (data, models, the first dataset's evaluations, GSRM recall, the report) as the
-    Makefile writes it: its selection holds every asset but the optional text extraction, one partitions
-    definition, and the merged run config validates against that job."""
+@pytest.mark.parametrize("target", ["demo", "reproduce"])
+def test_make_target_runs_everything_in_one_launch_whose_config_is_valid(target):
+    """`make demo`'s and `make reproduce`'s single run (data, models, the first dataset's evaluations, GSRM recall,
+    the report) as the Makefile writes it: its selection holds every asset but the optional text extraction, one
+    partitions definition, and the target's merged run config validates against that job (no config for an asset
+    that is not there, no field an asset does not have)."""
     import re
 
     from dagster_shared.yaml_utils import load_yaml_from_glob_list
@@ -199,17 +201,18 @@ def test_make_demo_runs_everything_in_one_launch_whose_config_is_valid():
     from platform_assets.partitions import DATASETS
 
     root = Path(definitions.__file__).parent
-    launch = re.search(r"dg launch -m definitions --assets '([^']+)' --partition \$\(firstword [^)]+\)\) \\\n"
-                       r"\s*((?:-c \S+\s*)+)",
-                       (root / "Makefile").read_text())
-    assert launch, "make demo's first `dg launch` line changed shape"
-    selection, configs = launch.group(1), re.findall(r"-c (\S+)", launch.group(2))
-    job = dg.define_asset_job("demo_launch", selection=selection, partitions_def=DATASETS)
+    makefile = (root / "Makefile").read_text()
+    selection = re.search(r"dg launch -m definitions --assets '([^']+)' --partition \$\(firstword", makefile)
+    assert selection, "the first `dg launch` line of the materialize recipe changed shape"
+    selection = selection.group(1)
+    configs = re.search(rf"^{target}: .*\n\t\$\(call materialize,([^,]+),([^)]+)\)", makefile, re.MULTILINE)
+    assert configs, f"make {target} no longer calls the materialize recipe with a run and an eval config"
+    job = dg.define_asset_job("launch", selection=selection, partitions_def=DATASETS)
     defs = dg.Definitions.merge(definitions.defs, dg.Definitions(jobs=[job]))
     graph = defs.resolve_asset_graph()
     selected = dg.AssetSelection.from_string(selection).resolve(graph)
     assert {*EVALUATIONS, *GPU_MODELS, dg.AssetKey(["eval", "evaluation_report"]),
             dg.AssetKey(["eval", "gsrm_recall"])} <= selected
     assert not any(graph.get(key).group_name == "text_extraction" for key in selected)
-    run_config = load_yaml_from_glob_list([str(root / path) for path in configs])  # as `dg launch -c A -c B`
-    assert dg.validate_run_config(defs.resolve_job_def("demo_launch"), run_config)
+    run_config = load_yaml_from_glob_list([str(root / path) for path in configs.groups()])  # as `dg launch -c A -c B`
+    assert dg.validate_run_config(defs.resolve_job_def("launch"), run_config)
