@@ -6,7 +6,8 @@ the speed is the weights' shape, not their values, and nothing needs to be carri
 
 - **fit step**: one AdamW step of the reader adapter's recipe (LoRA r 16 on every block, 8 conversations in
   micro-batches of 4 sorted by length, the loss on the last `--reply` tokens of each, bf16 autocast), in each
-  variant; its bound is the step's FLOPs (counted by torch's FlopCounterMode: every matmul and attention of the
+  variant (with and without the padding mask, float32 or bf16 frozen weights; the first step's loss is printed:
+  every variant starts from the same weights, so the losses agree to bf16 rounding); its bound is the step's FLOPs (counted by torch's FlopCounterMode: every matmul and attention of the
   forward and backward) at the bf16 matmul rate;
 - **decode step**: one token for 1 and for 24 rows over `--context` tokens of cache, as `TransformersChatModel`
   decodes (its in-place cache, left-padded rows, a mask), in float32 and in bfloat16 weights; its bound is the
@@ -120,13 +121,14 @@ def micro_batches(lengths: list[int], reply: int, micro: int, device: str) -> li
 
 
 def fit_step(model: torch.nn.Module, forward: Callable, batches: list, optimizer: torch.optim.Optimizer,
-             device: str) -> float:
+             device: str, masked: bool = False) -> float:
     optimizer.zero_grad(set_to_none=True)
     tokens = sum(float(b[4].sum()) for b in batches)
     total = 0.0
     for ids, attention, keep, targets, mask in batches:
         with torch.autocast(torch.device(device).type, dtype=torch.bfloat16):
-            logits = forward(input_ids=ids, attention_mask=attention, logits_to_keep=keep, use_cache=False).logits
+            logits = forward(input_ids=ids, attention_mask=attention if masked else None, logits_to_keep=keep,
+                             use_cache=False).logits
         logits = logits.float()
         logp = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - logits.logsumexp(-1)
         loss = -(logp * mask).sum() / tokens
@@ -136,16 +138,18 @@ def fit_step(model: torch.nn.Module, forward: Callable, batches: list, optimizer
     return total
 
 
-def fit_variants(args: argparse.Namespace) -> dict[str, tuple[torch.nn.Module, Callable]]:
-    variants = {"fp32 weights, bf16 autocast (shipped)": torch.float32,
-                "bf16 frozen weights, bf16 autocast": torch.bfloat16}
+# name -> (frozen weights' dtype, padding mask passed, compiled)
+FIT_VARIANTS = {"fp32 weights, padding mask (before)": (torch.float32, True, False),
+                "fp32 weights, causal only (shipped: medgraph.rl.model.token_logprobs)": (torch.float32, False, False),
+                "bf16 frozen weights, causal only": (torch.bfloat16, False, False)}
+COMPILED = {"bf16 frozen weights, causal only, torch.compile": (torch.bfloat16, False, True)}
+
+
+def fit_variants(args: argparse.Namespace) -> dict[str, tuple[torch.nn.Module, Callable, bool]]:
     built = {}
-    for name, dtype in variants.items():
+    for name, (dtype, masked, compiled) in {**FIT_VARIANTS, **(COMPILED if args.compile else {})}.items():
         model = lora_policy(args.device, dtype)
-        built[name] = (model, model)
-    if args.compile:
-        model = lora_policy(args.device, torch.bfloat16)
-        built["bf16 frozen weights, torch.compile"] = (model, torch.compile(model, dynamic=False))
+        built[name] = (model, torch.compile(model, dynamic=False) if compiled else model, masked)
     return built
 
 
@@ -159,19 +163,21 @@ def fit_rows(args: argparse.Namespace, bf16_rate: float) -> list[tuple[str, floa
     optimizers = {name: torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
                   for name, (model, _) in built.items()}
     notes = {}
-    for name, (model, forward) in built.items():  # a first step each: allocation, oneDNN's kernels, compilation
+    losses = {}
+    for name, (model, forward, masked) in built.items():  # a first step each: allocation, kernels, compilation
         started = time.perf_counter()
-        fit_step(model, forward, batches, optimizers[name], args.device)
-        notes[name] = f"first step {time.perf_counter() - started:.1f} s"
+        losses[name] = fit_step(model, forward, batches, optimizers[name], args.device, masked)
+        notes[name] = f"first step {time.perf_counter() - started:.1f} s, loss {losses[name]:.5f}"
     counter = FlopCounterMode(display=False)
-    first_model, first_forward = next(iter(built.values()))
+    first_model, first_forward, first_masked = next(iter(built.values()))
     with counter:
-        fit_step(first_model, first_forward, batches, next(iter(optimizers.values())), args.device)
+        fit_step(first_model, first_forward, batches, next(iter(optimizers.values())), args.device, first_masked)
     flops = counter.get_total_flops()
     for _ in range(args.repeats):
-        for name, (model, forward) in built.items():
+        for name, (model, forward, masked) in built.items():
             timings.setdefault(name, []).append(median_seconds(
-                lambda m=model, f=forward, o=optimizers[name]: fit_step(m, f, batches, o, args.device), 1, args.device))
+                lambda m=model, f=forward, o=optimizers[name], k=masked: fit_step(m, f, batches, o, args.device, k),
+                1, args.device))
     bound = flops / bf16_rate
     tokens = sum(int(n) for n in args.lengths.split(","))
     for name, times in timings.items():
