@@ -51,7 +51,9 @@ from medgraph.rl.model import (
     LoraSettings,
     latest_checkpoint,
     load_trainable,
+    make_batch,
     save_policy,
+    token_logprobs,
     trainable_parameters,
 )
 from medgraph.rl.policy import (
@@ -66,6 +68,7 @@ from medgraph.rl.policy import (
 )
 from medgraph.rl.rewards import episode_reward
 from medgraph.rl.rollout import (
+    EncodedConversation,
     Trajectory,
     encode_conversation,
     evaluate,
@@ -332,6 +335,28 @@ def tiny_model_dir(smollm2, tmp_path_factory: pytest.TempPathFactory) -> Path:
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     return out
+
+
+def test_a_right_padded_batch_scores_each_row_as_it_scores_alone(tiny_model_dir: Path):
+    """token_logprobs passes no padding mask (the causal mask alone, for speed): every scored position of a
+    right-padded row gets what the row gets alone, and pads change nothing, in float32 and under bf16 autocast."""
+    chat = TransformersChatModel(tiny_model_dir, device="cpu", dtype="float32")
+    generator = torch.Generator().manual_seed(0)
+    rows = []
+    for length, reply in ((9, 3), (23, 5), (16, 4)):
+        ids = torch.randint(0, 1000, (length,), generator=generator).tolist()
+        rows.append(EncodedConversation(ids, [0] * (length - reply) + [1] * reply))
+    for bf16 in (False, True):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16), torch.no_grad():
+            batch = make_batch(rows, chat.pad_id, "cpu")
+            together = token_logprobs(chat.model, batch)
+            for i, row in enumerate(rows):
+                alone_batch = make_batch([row], chat.pad_id, "cpu")
+                alone = token_logprobs(chat.model, alone_batch)[0]
+                scored = together[i][batch.mask[i].bool()]
+                assert len(scored) == int(alone_batch.mask.sum())
+                torch.testing.assert_close(scored, alone[alone_batch.mask[0].bool()],
+                                           atol=0.02 if bf16 else 1e-5, rtol=0)
 
 
 TOY_ENV = GraphR1Env(None, GraphR1Config(actions=(), max_steps=2, max_new_tokens=16))  # answers only: no retriever
