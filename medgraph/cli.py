@@ -32,12 +32,14 @@ if TYPE_CHECKING:
     from medgraph.storage import Warehouse
 
 # `medgraph ask` limits: the whole call (model loading included) and the question's length.
-# The default time limit scales with the method: what one multiple-choice question took from the command line
-# (model loading included) on a demo home, 2 CPU cores shared with other work, the default SmolLM2-135M
-# (ASK_USUAL_S; see `ask_default_timeout`), times ASK_TIMEOUT_HEADROOM, and never below ASK_TIMEOUT_S.
+# The default time limit scales with the method: what one four-option question took from the command line (model
+# loading included) on a `make demo` home, 2 CPU cores and nothing else running, the default SmolLM2-135M
+# (ASK_USUAL_S; see `ask_default_timeout`), times ASK_TIMEOUT_HEADROOM for a busy machine, and never below
+# ASK_TIMEOUT_S. Graph-R1's is an earlier measurement of a policy that walks all its turns, 2 cores shared with
+# other work (the demo's short SFT policy answers in 13 s).
 ASK_TIMEOUT_S = 45.0
 ASK_TIMEOUT_HEADROOM = 3.0
-ASK_USUAL_S = {"cot": 5.0, "rag": 6.0, "rag-kg": 6.0, "irag": 191.0, "a2rag": 28.0, "graph-r1": 72.0, "sema-rag": 168.0}
+ASK_USUAL_S = {"cot": 8.0, "rag": 6.0, "rag-kg": 6.0, "irag": 37.0, "a2rag": 8.0, "graph-r1": 72.0, "sema-rag": 14.0}
 MAX_QUESTION_CHARS = 8_000  # ~2k prompt tokens; MedQA's longest vignettes are ~1.5k characters
 EXIT_TIMEOUT = 124  # as timeout(1)
 # After SIGTERM/SIGINT the CLI unwinds (closing connections, discarding staging files); if that has not
@@ -627,9 +629,11 @@ def _parser() -> argparse.ArgumentParser:
                           f"cores, at least {ASK_TIMEOUT_S:g}; 0: no limit; exit status {EXIT_TIMEOUT})")
     ask.add_argument("--option", action="append", default=[], metavar='LETTER="TEXT"',
                      help='a multiple-choice option, e.g. --option A="amlodipine" (repeat; none: short answer)')
+    usual = ", ".join(f"{method} ~{seconds:.0f} s" for method, seconds in ASK_USUAL_S.items())
     ask.add_argument("--method", default="a2rag",
                      help="a2rag, graph-r1, sema-rag, cot, rag, rag-kg, irag, or a named ablation such as a2rag-no-gsrm "
-                          "(medgraph.methods.ABLATIONS); default: a2rag")
+                          f"(medgraph.methods.ABLATIONS); default: a2rag. Usual time of a question with SmolLM2-135M "
+                          f"on 2 CPU cores, model loading included: {usual}")
     ask.add_argument("--llm", default=None, help=f"LLM spec (default: MEDGRAPH_LLM, {DEFAULT_LLM})")
     ask.add_argument("--reader", choices=("base", "adapted"), default="base",
                      help="who answers the answering call: the LLM (base) or the registered reader adapter "
