@@ -37,12 +37,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from medgraph.llm.hf import _growing_cache  # noqa: E402  (the repository root first: run as a script)
+from medgraph.llm.hf import _growing_cache  # the repository root is on sys.path first: run as a script
 
 # SmolLM2-135M-Instruct's config.json (the fields that shape the compute).
-SMOLLM2_135M = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
-                    num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192, rms_norm_eps=1e-5,
-                    rope_theta=100000.0, tie_word_embeddings=True)
+SMOLLM2_135M = {"vocab_size": 49152, "hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30,
+                "num_attention_heads": 9, "num_key_value_heads": 3, "max_position_embeddings": 8192,
+                "rms_norm_eps": 1e-5, "rope_theta": 100000.0, "tie_word_embeddings": True}
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 

@@ -7,14 +7,21 @@ from the MLflow registry by alias (HIIM projector and Graph-R1 policy
 metrics go to MLflow and to the asset's metadata.
 """
 
-import json
 from pathlib import Path
 
 import dagster as dg
 import mlflow
 
 from medgraph.eval.evaluate import markdown_table, summarize, write_run
-from medgraph.eval.families import FAMILIES, EvalFamily, UnknownReaderError, plan_family, run_family
+from medgraph.eval.families import (
+    FAMILIES,
+    EvalFamily,
+    EvalRequestError,
+    UnknownReaderError,
+    checked_eval_request,
+    plan_family,
+    run_family,
+)
 from medgraph.eval.gsrm import read_gsrm_params
 from medgraph.eval.monitoring import (
     Alarm,
@@ -104,13 +111,16 @@ def _eval_asset(family: EvalFamily):
     def _evaluate(context: dg.AssetExecutionContext, config: EvalConfig, warehouse: WarehouseResource,
                   encoder: EncoderResource, llm: LlmResource, mlflow_tracking: MlflowResource) -> dg.MaterializeResult:
         dataset = context.partition_key
-        items = load_mirage(warehouse.layout.benchmark(dataset))[: config.limit]
-        overrides = json.loads(config.method_config)
+        try:
+            request = checked_eval_request(family, config.methods, config.limit, config.method_config)
+        except EvalRequestError as error:
+            raise dg.Failure(f"{error} (run config of eval/{family.name})") from None
+        items = load_mirage(warehouse.layout.benchmark(dataset))[: request.limit]
         store = warehouse.get_warehouse()
         try:
             plan = plan_family(family, llm.load(), store, mlflow_tracking.tracking(), warehouse.layout.root,
-                               encoder_id=encoder.load().encoder_id, methods=config.methods, readers=config.readers,
-                               overrides=overrides)
+                               encoder_id=encoder.load().encoder_id, methods=request.methods, readers=config.readers,
+                               overrides=request.overrides)
         except UnknownReaderError as error:
             raise dg.Failure(f"{error} (run config `readers`)") from None
         with Retriever(store, encoder.load()) as retriever, \

@@ -10,6 +10,7 @@ import pytest
 from conftest import copy_warehouse, share_converted_llm
 
 from medgraph.eval.evaluate import binomial_se, summarize
+from medgraph.eval.families import FAMILIES, EvalRequestError, checked_eval_request
 from medgraph.methods.common import finish_result
 from medgraph.qa.generate import generate_qa_items
 from medgraph.qa.item import QaItem
@@ -25,6 +26,34 @@ def test_summaries_count_parse_failures_as_wrong_with_binomial_error():
     (summary,) = summarize(results)
     assert (summary.questions, summary.accuracy, summary.parse_failure_rate) == (4, 0.5, 0.25)
     assert summary.accuracy_se == pytest.approx(binomial_se(2, 4)) == pytest.approx(0.25)
+
+
+BASELINES = next(f for f in FAMILIES if f.name == "eval_baselines")
+
+
+@pytest.mark.parametrize(("methods", "limit", "method_config", "message"), [
+    (None, -1, "{}", "limit must be at least 1"),
+    (None, 0, "{}", "limit must be at least 1"),
+    ([], None, "{}", "methods is empty; name at least one, or leave it unset for cot, rag"),
+    (["a2rag"], None, "{}", "a2rag not of this family"),
+    (["nope"], None, "{}", "unknown method 'nope'"),
+    (None, None, "not json", "method_config is not JSON (Expecting value at column 1)"),
+    (None, None, "[1, 2]", "method_config must be a JSON object of method name -> object of fields"),
+    (None, None, '{"rag": 3}', "method_config must be a JSON object"),
+    (None, None, '{"rag": {"no_such_field": 1}}', "rag: unknown configuration fields ['no_such_field']"),
+])
+def test_an_eval_run_config_that_cannot_mean_what_it_says_is_refused_naming_the_field(methods, limit, method_config,
+                                                                                       message):
+    with pytest.raises(EvalRequestError, match="^eval_baselines: ") as raised:
+        checked_eval_request(BASELINES, methods, limit, method_config)
+    assert message in str(raised.value)
+
+
+def test_a_checked_eval_request_keeps_ablations_limits_and_overrides():
+    request = checked_eval_request(BASELINES, None, 3, '{"irag": {"rounds": 1}}')
+    assert (request.methods, request.limit, request.overrides) == (BASELINES.methods, 3, {"irag": {"rounds": 1}})
+    a2rag = next(f for f in FAMILIES if f.name == "eval_a2rag")
+    assert checked_eval_request(a2rag, ["a2rag-no-hiim"], None, "{}").methods == ("a2rag-no-hiim",)
 
 
 @pytest.fixture
@@ -45,6 +74,16 @@ def resources(eval_home: Path, mlflow_db: Path) -> dict[str, dg.ConfigurableReso
             "mlflow_tracking": MlflowResource(tracking_uri=f"sqlite:///{mlflow_db}",
                                               artifact_root=str(eval_home / "artifacts")),
             "training": TrainingResource(profile="tiny")}
+
+
+def test_an_eval_asset_refuses_a_negative_limit_before_evaluating_anything(resources: dict):
+    baselines = next(a for a in eval_assets if a.key.path[-1] == "eval_baselines")
+    result = dg.materialize([qa_benchmark, baselines], resources=resources, partition_key="kgqa_mc",
+                            raise_on_error=False, run_config=dg.RunConfig(ops={
+                                "eval__eval_baselines": {"config": {"limit": -1}}}))
+    assert not result.success and not result.asset_materializations_for_node("eval__eval_baselines")
+    (failure,) = [e for e in result.all_events if e.event_type_value == "STEP_FAILURE"]
+    assert "eval_baselines: limit must be at least 1" in failure.step_failure_data.error.message
 
 
 def test_a_dataset_partition_is_evaluated_into_tables_metadata_and_mlflow(eval_home: Path, resources: dict):

@@ -280,6 +280,23 @@ def test_truncated_and_non_utf8_mirage_files_name_the_file_and_line(tmp_path: Pa
         load_benchmark(f"mirage:{latin1}", tmp_path)
 
 
+@pytest.mark.parametrize(("text", "key", "line"), [
+    ('{"medqa": {\n"q1": ITEM,\n"q2": ITEM,\n"q1": ITEM}}', "q1", 4),  # a question id twice: the last would win
+    ('{"medqa": {"q1": ITEM},\n"pubmedqa": {"q2": ITEM},\n"medqa": {"q3": ITEM}}', "medqa", 3),  # a dataset twice
+])
+def test_a_mirage_file_with_a_repeated_key_is_refused_naming_file_line_and_key(tmp_path: Path, text: str, key: str,
+                                                                              line: int):
+    from medgraph.qa.mirage import load_mirage
+
+    path = tmp_path / "dup.json"
+    path.write_text(text.replace("ITEM", json.dumps(MC_ITEM)))
+    message = rf"^{path}:{line}: the key '{key}' appears twice in one object"
+    with pytest.raises(ValueError, match=message):
+        load_mirage(path)
+    with pytest.raises(BenchmarkFormatError, match=message):
+        load_benchmark(f"mirage:{path}", tmp_path)
+
+
 def test_non_utf8_and_non_object_jsonl_lines_name_the_file_and_line(tmp_path: Path):
     from medgraph.qa.benchmarks import load_jsonl
 

@@ -231,13 +231,30 @@ def test_building_twice_gives_byte_identical_files(tiny_release: Path, tmp_path:
 def test_cli_writes_the_release_and_prints_the_summary(tmp_path: Path, capsys: pytest.CaptureFixture[str]):
     out = tmp_path / "cli" / "META"
     out.mkdir(parents=True)
-    (out / "stale.txt").write_text("from an older build")
+    (out / "MRREL.RRF").write_text("an older build's file\n")  # an earlier release is replaced whole
     assert main(["sample-release", "--out", str(out), "--profile", "tiny"]) == 0
     assert sorted(p.name for p in out.iterdir()) == sorted(f"{name}.RRF" for name in FILES)
     assert sorted(p.name for p in out.parent.iterdir()) == ["META"]  # no staging or retired directories left
     printed = dict(line.split(": ", 1) for line in capsys.readouterr().out.splitlines())
     assert printed["profile"] == "tiny"
     assert int(printed["relations"]) == (out / "MRREL.RRF").read_bytes().count(b"\n")
+
+
+def test_a_directory_with_other_files_is_refused_and_left_as_it_was(tmp_path: Path,
+                                                                    capsys: pytest.CaptureFixture[str]):
+    """`--out` a user's directory: the release would replace it whole, so it is refused and nothing is deleted."""
+    out = tmp_path / "mine"
+    (out / "notes").mkdir(parents=True)
+    (out / "thesis.tex").write_text("months of work")
+    (out / "notes" / "a.txt").write_text("more")
+    assert main(["sample-release", "--out", str(out), "--profile", "tiny"]) == 1
+    err = capsys.readouterr().err
+    assert f"{out} holds files a sample release does not write (notes, thesis.tex)" in err and "Error:" not in err
+    assert (out / "thesis.tex").read_text() == "months of work" and (out / "notes" / "a.txt").read_text() == "more"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mine"]  # no staging directory left
+    (tmp_path / "a-file").write_text("x")
+    assert main(["sample-release", "--out", str(tmp_path / "a-file")]) == 1
+    assert "exists and is not a directory" in capsys.readouterr().err
 
 
 def test_unresolved_drug_targets_fail_a_strict_profile_listing_them():

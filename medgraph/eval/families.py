@@ -9,6 +9,7 @@ every (reader, method) row or says why it was skipped.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -89,6 +90,58 @@ class FamilyPlan:
     adapted: ChatModel | None = None
     adapted_source: str = ""
     graph_tokenizer: GraphTokenizer | None = None
+
+
+class EvalRequestError(ValueError):
+    """An evaluation's run config asks for something it cannot mean (the message names the field)."""
+
+
+@dataclass(frozen=True)
+class EvalRequest:
+    """An evaluation asset's run config, checked: what to run, on how many questions, with which overrides."""
+
+    methods: tuple[str, ...]
+    limit: int | None
+    overrides: dict[str, dict[str, object]]
+
+
+def checked_eval_request(family: EvalFamily, methods: Sequence[str] | None, limit: int | None,
+                         method_config: str) -> EvalRequest:
+    """The run config's `methods`, `limit` and `method_config`, or EvalRequestError saying which is wrong and why:
+    a limit below 1 (a negative slice would drop questions silently), an empty method list (it would run the
+    family's defaults), an unknown method or one of another family (its rows would land in this family's tables),
+    or a method_config that is not a JSON object of known methods and their known fields."""
+    if limit is not None and limit < 1:
+        raise EvalRequestError(f"{family.name}: limit must be at least 1 (the first N questions), or unset for all; "
+                               f"got {limit}")
+    if methods is not None and not methods:
+        raise EvalRequestError(f"{family.name}: methods is empty; name at least one, or leave it unset for "
+                               f"{', '.join(family.methods)}")
+    chosen = tuple(methods or family.methods)
+    own = {method_of(m) for m in family.methods}
+    for name in chosen:
+        try:
+            make_config(name)
+        except ValueError as error:  # an unknown name, listing the known ones
+            raise EvalRequestError(f"{family.name}: methods: {error}") from None
+    foreign = [m for m in chosen if method_of(m) not in own]
+    if foreign:
+        raise EvalRequestError(f"{family.name}: {', '.join(foreign)} not of this family (it runs "
+                               f"{', '.join(sorted(own))} and their ablations); evaluate them with their own asset")
+    try:
+        overrides = json.loads(method_config)
+    except json.JSONDecodeError as error:
+        raise EvalRequestError(f"{family.name}: method_config is not JSON ({error.msg} at column {error.colno}); "
+                               'expected an object such as {"a2rag": {"tau": 0.4}}') from None
+    if not isinstance(overrides, dict) or not all(isinstance(v, dict) for v in overrides.values()):
+        raise EvalRequestError(f"{family.name}: method_config must be a JSON object of method name -> object of "
+                               f'fields, such as {{"a2rag": {{"tau": 0.4}}}}; got {method_config!r}')
+    for name, fields in overrides.items():
+        try:
+            make_config(name, fields)
+        except (ValueError, TypeError) as error:  # an unknown method or field, listing the known ones
+            raise EvalRequestError(f"{family.name}: method_config: {error}") from None
+    return EvalRequest(chosen, limit, overrides)
 
 
 def plan_family(family: EvalFamily, llm: ChatModel, store: Warehouse, tracking: Tracking, home: Path, *,

@@ -7,6 +7,7 @@ path is what GSRM recall is measured against).
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
@@ -38,10 +39,31 @@ def _read_json_file(path: Path) -> object:
         line = raw.count(b"\n", 0, error.start) + 1
         raise ValueError(f"{path}:{line}: not UTF-8 (byte {raw[error.start]:#04x}); a MIRAGE file is UTF-8 JSON") from None
     try:
-        return json.loads(text)
+        return json.loads(text, object_pairs_hook=_unique_keys)
     except json.JSONDecodeError as error:
         raise ValueError(f"{path}:{error.lineno}: not valid JSON ({error.msg} at column {error.colno}"
                          f"{'; the file is truncated' if error.pos >= len(text.rstrip()) else ''})") from None
+    except _DuplicateKey as duplicate:
+        # json keeps the last of two equal keys, so one question (or a whole dataset) would silently replace another.
+        written = [m.start() for m in re.finditer(re.escape(json.dumps(duplicate.key)) + r"\s*:", text)]
+        where = f"{path}:{text.count(chr(10), 0, written[1]) + 1}" if len(written) == 2 else str(path)
+        raise ValueError(f"{where}: the key {duplicate.key!r} appears twice in one object (a repeated question "
+                         "id or dataset would replace the first); give each its own key") from None
+
+
+class _DuplicateKey(Exception):
+    def __init__(self, key: str):
+        super().__init__(key)
+        self.key = key
+
+
+def _unique_keys(pairs: list[tuple[str, object]]) -> dict[str, object]:
+    result: dict[str, object] = {}
+    for key, value in pairs:
+        if key in result:
+            raise _DuplicateKey(key)
+        result[key] = value
+    return result
 
 
 def load_mirage(path: str | Path, datasets: Iterable[str] | None = None) -> list[QaItem]:

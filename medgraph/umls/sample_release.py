@@ -1040,6 +1040,25 @@ def _mrfiles_rows(files: dict[RrfLayout, bytes]) -> bytes:
         size = len(data)
 
 
+class OutputDirectoryInUseError(FileExistsError):
+    """The output directory holds something other than a sample release: it is never replaced."""
+
+
+def _check_replaceable(out: Path, release_files: set[str]) -> None:
+    """The release replaces `out` whole, so `out` must be new, empty, or hold only a release's files (an earlier
+    sample release): a user's own files there are refused, not deleted."""
+    if not out.exists():
+        return
+    if not out.is_dir():
+        raise OutputDirectoryInUseError(f"{out} exists and is not a directory; give --out a new or empty directory")
+    others = sorted(p.name for p in out.iterdir() if p.name not in release_files)
+    if others:
+        shown = ", ".join(others[:5]) + (f" and {len(others) - 5} more" if len(others) > 5 else "")
+        raise OutputDirectoryInUseError(
+            f"{out} holds files a sample release does not write ({shown}); the release would replace the whole "
+            "directory, so nothing was written: give --out a new or empty directory")
+
+
 def build_sample_release(out_dir: str | Path, profile: str = "tiny") -> SampleReleaseSummary:
     """Write a UMLS-format release (MRCONSO, MRREL, MRSTY, MRDEF, MRSAB, MRFILES) into `out_dir`.
 
@@ -1048,9 +1067,11 @@ def build_sample_release(out_dir: str | Path, profile: str = "tiny") -> SampleRe
     (`make demo`); `broad` is all of HPO and its annotations plus those
     chapters (~50k). The same input gives byte-identical files. `broad` fails
     with DrugTargetError listing every drug-table target it cannot resolve;
-    the others skip them.
+    the others skip them. An `out_dir` holding anything but an earlier release's
+    files is refused (OutputDirectoryInUseError), before any work.
     """
     started = time.perf_counter()
+    _check_replaceable(Path(out_dir), {layout.filename for layout in (MRCONSO, MRREL, MRSTY, MRDEF, MRSAB, MRFILES)})
     try:
         spec = SAMPLE_RELEASE_PROFILES[profile]
     except KeyError:
