@@ -47,6 +47,12 @@ EXIT_TIMEOUT = 124  # as timeout(1)
 EXIT_GRACE_S = 3.0
 
 
+def printable(text: str) -> str:
+    """`text` for a terminal: control characters (escape sequences that recolour, move the cursor or retitle the
+    window among them) written as Python escapes, so model and user text cannot drive the terminal."""
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in text)
+
+
 class UsageError(Exception):
     """A bad command line (exit status 2, as argparse's own errors)."""
 
@@ -512,7 +518,7 @@ def _answer(args: argparse.Namespace, item: Any, config: object, deadline: float
         print("answer: (none: the model's reply could not be parsed)")
         return 2
     text = item.options.get(result.prediction)
-    print(f"answer: {result.prediction}" + (f". {text}" if text else ""))
+    print(printable(f"answer: {result.prediction}" + (f". {text}" if text else "")))
     return 0
 
 
@@ -591,10 +597,10 @@ def _cmd_models(args: argparse.Namespace) -> int:
     print(f"  run        {found.run_id} (experiment {run.info.experiment_id}, {run.info.status})")
     print(f"  source     {found.source}")
     for key in sorted(found.tags):
-        print(f"  tag        {key} = {found.tags[key]}")
+        print(printable(f"  tag        {key} = {found.tags[key]}"))
     lineage = {k: v for k, v in run.data.tags.items() if k.startswith(("data_version/", "dagster/", "lineage/"))}
     for key in sorted(lineage):
-        print(f"  lineage    {key} = {lineage[key]}")
+        print(printable(f"  lineage    {key} = {lineage[key]}"))
     for key in sorted(run.data.metrics):
         print(f"  metric     {key} = {run.data.metrics[key]:.4g}")
     return 0
@@ -667,12 +673,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         try:
             return int(args.handler(args))
         except UsageError as error:
-            print(f"medgraph {args.command}: error: {redact_uri(str(error))}", file=sys.stderr)
+            print(f"medgraph {args.command}: error: {printable(redact_uri(str(error)))}", file=sys.stderr)
             return 2
         except Exception as error:  # noqa: BLE001 - every error ends as one redacted line, not a traceback
             ours = type(error).__module__.startswith("medgraph.")  # messages written to be read as they are
             what = redact_uri(str(error)) if ours else f"{type(error).__name__}: {redact_uri(str(error))}"
-            print(f"medgraph {args.command}: error: {what}", file=sys.stderr)
+            print(f"medgraph {args.command}: error: {printable(what)}", file=sys.stderr)
             if args.traceback:
                 import traceback
 

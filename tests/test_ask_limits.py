@@ -289,6 +289,22 @@ def test_a_writer_can_open_the_warehouse_while_rag_waits_on_the_llm(retrieval_wa
         assert con.execute("SELECT x FROM main.concurrent_write").fetchall() == [(1,)]
 
 
+def test_option_text_with_terminal_escapes_is_printed_escaped_on_the_answer_line(
+        retrieval_warehouse: Warehouse, encoder, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture):
+    """An option (user text) carrying escape sequences is shown, not obeyed: the `answer:` line escapes them."""
+    home = tmp_path / "home"
+    copy_warehouse(retrieval_warehouse, home)
+    monkeypatch.setenv("MEDGRAPH_HOME", str(home))
+    monkeypatch.setattr("medgraph.embed.encoder.load_encoder", lambda spec, **options: encoder)
+    with llm_server(lambda request: "<answer>A</answer>") as (spec, _):
+        code = main(["ask", "Which drug may treat hypertension?", "--option", "A=\x1b[2J\x1b]0;pwned\x07amlodipine",
+                     "--option", "B=insulin", "--method", "cot", "--llm", spec, "--timeout", "120"])
+    out = capsys.readouterr().out
+    assert code == 0 and "\x1b" not in out and "\x07" not in out
+    assert "answer: A. \\x1b[2J\\x1b]0;pwned\\x07amlodipine" in out
+
+
 # --------------------------------------------------------------------------- signals
 
 
