@@ -467,6 +467,23 @@ def test_client_error_is_reported_at_once_with_the_servers_message(scripted_http
     assert error.value.status == 404 and len(handler.seen) == 1  # not retried
 
 
+@pytest.mark.parametrize(("reply", "what"), [
+    ([1, 2, 3], "a JSON list, not an object"),
+    (None, "a JSON NoneType, not an object"),
+    ({"choices": "abc"}, "choices is not a list of objects"),
+    ({"choices": []}, "no choices"),
+    ({"choices": [{"message": "hi"}]}, "the choice's message is not an object"),
+    ({"choices": [{"message": {"content": "hi"}}], "usage": 7}, "usage is not an object"),
+])
+def test_a_reply_of_the_wrong_shape_names_the_server_and_the_shape_expected(scripted_http, reply, what) -> None:
+    url, handler = scripted_http
+    handler.script.append((200, reply, {}))
+    with pytest.raises(LlmRequestError) as error:
+        OpenAIChatModel("m", url, backoff_s=0.01).complete([user("hi")])
+    assert str(error.value).startswith(f"POST {url}/chat/completions: the reply is not an OpenAI chat completion "
+                                       f"({what}; expected {{\"choices\": [{{\"message\"")
+
+
 def test_retries_run_out_with_the_last_problem(scripted_http) -> None:
     url, handler = scripted_http
     handler.script += [(500, {"error": {"message": "CUDA out of memory"}}, {})] * 3

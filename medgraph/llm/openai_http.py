@@ -64,6 +64,31 @@ def _server_message(response: requests.Response) -> str:
     return str(body)[:500]
 
 
+CHAT_REPLY_SHAPE = '{"choices": [{"message": {"content": "..."}, "finish_reason": "..."}], "usage": {...}}'
+
+
+def _chat_choice(reply: object, url: str) -> tuple[dict, dict]:
+    """The first choice (with a `message` object) and the usage of a chat-completion reply; any other shape (a list,
+    null, choices that are not objects) is an LlmRequestError naming the server and the shape expected."""
+    def wrong(what: str) -> LlmRequestError:
+        return LlmRequestError(f"POST {url}: the reply is not an OpenAI chat completion ({what}; expected "
+                               f"{CHAT_REPLY_SHAPE}): {str(reply)[:300]}", url=url)
+
+    if not isinstance(reply, dict):
+        raise wrong(f"a JSON {type(reply).__name__}, not an object")
+    choices = reply.get("choices")
+    if not choices:
+        raise wrong("no choices")
+    if not isinstance(choices, list) or not isinstance(choices[0], dict):
+        raise wrong("choices is not a list of objects")
+    if not isinstance(choices[0].get("message") or {}, dict):
+        raise wrong("the choice's message is not an object")
+    usage = reply.get("usage") or {}
+    if not isinstance(usage, dict):
+        raise wrong("usage is not an object")
+    return {**choices[0], "message": choices[0].get("message") or {}}, usage
+
+
 def _message_text(content: object) -> str:
     """`message.content` as text: a string, or a list of content parts (newer servers)."""
     if content is None:
@@ -189,14 +214,10 @@ class OpenAIChatModel(ChatModel):
             if self.raise_on_error:
                 raise
             return Completion("", 0, 0, time.perf_counter() - started, "error", self.name, {"error": str(error)})
-        choices = reply.get("choices") or []
-        if not choices:
-            raise LlmRequestError(f"POST {self.url}: the reply has no choices: {str(reply)[:300]}", url=self.url)
-        choice = choices[0]
-        text = _message_text((choice.get("message") or {}).get("content"))
+        choice, usage = _chat_choice(reply, self.url)
+        text = _message_text(choice["message"].get("content"))
         text, stopped = truncate_at_stop(text, config.stop)  # servers differ in whether they cut
         finish = "stop" if stopped else _FINISH.get(choice.get("finish_reason") or "stop", "stop")
-        usage = reply.get("usage") or {}
         return Completion(
             text=text,
             prompt_tokens=int(usage.get("prompt_tokens") or 0),
