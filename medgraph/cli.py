@@ -50,7 +50,7 @@ EXIT_GRACE_S = 3.0
 def printable(text: str) -> str:
     """`text` for a terminal: control characters (escape sequences that recolour, move the cursor or retitle the
     window among them) written as Python escapes, so model and user text cannot drive the terminal."""
-    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in text)
+    return "".join(c if c.isprintable() or c in "\n\t" else c.encode("unicode_escape").decode("ascii") for c in text)
 
 
 class UsageError(Exception):
@@ -60,6 +60,34 @@ class UsageError(Exception):
 class AskTimedOut(BaseException):
     """`medgraph ask --timeout` ran out. A BaseException, so library code that catches Exception
     (retries, fallbacks) does not swallow it."""
+
+
+def _registry_problem(error: BaseException) -> str | None:
+    """What to say when the error is the SQLite MLflow registry's (damaged or locked), naming the file and the
+    remedy; None for any other error. SQLAlchemy and MLflow wrap sqlite3's error, so the causes are searched."""
+    import sqlite3
+
+    from medgraph.settings import load_settings
+
+    cause: BaseException | None = error
+    while cause is not None and not isinstance(cause, sqlite3.DatabaseError):
+        cause = getattr(cause, "orig", None) or cause.__cause__ or cause.__context__
+    if cause is None:
+        return None
+    try:
+        uri = load_settings().mlflow_tracking_uri
+    except Exception:  # noqa: BLE001 - the settings' own error is not this one's explanation
+        return None
+    if not uri.startswith("sqlite:///"):
+        return None
+    path = uri.removeprefix("sqlite:///")
+    reason = str(cause).splitlines()[0]
+    if "locked" in reason:
+        return (f"the MLflow registry {path} is locked by another process ({reason}): let the run that holds it "
+                "(`make demo`, `dagster dev`, a training asset) finish, then try again")
+    return (f"the MLflow registry {path} cannot be read ({reason}): move it aside (`mv {path} {path}.broken`) to "
+            "start an empty registry, or restore it from a backup; the model files under the home's artifacts/ "
+            "are untouched")
 
 
 def _cmd_sample_release(args: argparse.Namespace) -> int:
@@ -676,8 +704,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"medgraph {args.command}: error: {printable(redact_uri(str(error)))}", file=sys.stderr)
             return 2
         except Exception as error:  # noqa: BLE001 - every error ends as one redacted line, not a traceback
-            ours = type(error).__module__.startswith("medgraph.")  # messages written to be read as they are
-            what = redact_uri(str(error)) if ours else f"{type(error).__name__}: {redact_uri(str(error))}"
+            registry = _registry_problem(error)
+            ours = registry is not None or type(error).__module__.startswith("medgraph.")  # written to be read as is
+            what = registry or (redact_uri(str(error)) if ours else f"{type(error).__name__}: {redact_uri(str(error))}")
             print(f"medgraph {args.command}: error: {printable(what)}", file=sys.stderr)
             if args.traceback:
                 import traceback

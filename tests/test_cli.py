@@ -49,6 +49,20 @@ def test_models_list_and_show_read_the_registry(medgraph_home: Path, mlflow_db: 
     assert main(["models", "show", "medgraph-gat/7"]) == 1
 
 
+def test_a_damaged_mlflow_registry_is_named_with_its_remedy(mlflow_db: Path, tmp_path: Path,
+                                                            monkeypatch: pytest.MonkeyPatch,
+                                                            capsys: pytest.CaptureFixture):
+    """Issue 58: a truncated mlflow.db gave a raw sqlite3 DatabaseError marked unexpected, naming neither file nor fix."""
+    damaged = tmp_path / "mlflow.db"
+    data = mlflow_db.read_bytes()
+    damaged.write_bytes(data[: len(data) // 3])
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{damaged}")
+    assert main(["models", "list"]) == 1
+    err = capsys.readouterr().err
+    assert f"the MLflow registry {damaged} cannot be read (database disk image is malformed)" in err
+    assert f"mv {damaged} {damaged}.broken" in err and "unexpected" not in err
+
+
 def test_ask_picks_the_graph_r1_policy_as_evaluation_does(mlflow_db: Path, tmp_path: Path,
                                                          capsys: pytest.CaptureFixture):
     from medgraph.cli import _champion_policy
