@@ -95,7 +95,27 @@ def test_status_reports_an_unreadable_table_and_lists_every_other(medgraph_home:
     [line] = [line for line in lines if line.startswith("  umls.mrdef ")]
     assert "unreadable" in line and "No magic bytes found" in line and broken in line
     assert "MLflow" in captured.out  # it went on to the end
-    assert "1 table is unreadable" in captured.err and "materialize" in captured.err
+    assert "1 table is unreadable" in captured.err and """--assets 'key:"umls/mrdef"'""" in captured.err
+
+
+def test_status_reads_every_value_and_names_the_damaged_tables_own_asset(medgraph_home: Path, warehouse,
+                                                                        release_copy: Path,
+                                                                        capsys: pytest.CaptureFixture):
+    """Issue 58: a lake file damaged in its middle passed `status` (its row count comes from the footer), and the
+    remedy always named umls/mrdef whatever table was broken."""
+    from conftest import ingest_release
+
+    ingest_release(release_copy, warehouse)
+    [damaged] = warehouse.view_files("umls")["mrrel"]
+    data = bytearray(Path(damaged).read_bytes())
+    middle = len(data) // 2
+    data[middle:middle + 4096] = bytes(4096)  # the footer (row counts) intact, a stretch of column data zeroed
+    Path(damaged).write_bytes(bytes(data))
+    assert main(["status"]) == 1
+    captured = capsys.readouterr()
+    [line] = [line for line in captured.out.splitlines() if line.startswith("  umls.mrrel ")]
+    assert "unreadable" in line
+    assert """--assets 'key:"umls/mrrel"'""" in captured.err and "umls/mrdef" not in captured.err
 
 
 def test_ask_with_the_adapted_reader_needs_a_registered_one_and_a_method_it_can_answer(
