@@ -484,6 +484,43 @@ def test_a_reply_of_the_wrong_shape_names_the_server_and_the_shape_expected(scri
                                        f"({what}; expected {{\"choices\": [{{\"message\"")
 
 
+def test_a_server_that_drips_its_reply_is_cut_off_at_the_clients_total_timeout() -> None:
+    """Issue 58: requests' timeout bounds each read, so a server sending one byte at a time held an evaluation
+    past 250 s with a 120 s timeout. The whole reply must now arrive within timeout_s."""
+    class Dripping(BaseHTTPRequestHandler):
+        def log_message(self, *args: object) -> None:
+            pass
+
+        def do_POST(self) -> None:
+            self.rfile.read(int(self.headers["Content-Length"]))
+            data = json.dumps(OK_REPLY).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            try:
+                for byte in data:
+                    self.wfile.write(bytes([byte]))
+                    self.wfile.flush()
+                    time.sleep(0.1)
+            except OSError:  # the client hung up: what it should do
+                pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Dripping)
+    threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True).start()
+    try:
+        client = OpenAIChatModel("m", f"http://127.0.0.1:{server.server_address[1]}/v1", timeout_s=1.0,
+                                 max_retries=0)
+        started = time.monotonic()
+        with pytest.raises(LlmRequestError, match=r"failed after 1 attempts: Timeout: the reply took longer than "
+                                                  r"1 s in all \(timeout_s; \d+ bytes had come\)"):
+            client.complete([user("hi")])
+        assert time.monotonic() - started < 3.0
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
 def test_retries_run_out_with_the_last_problem(scripted_http) -> None:
     url, handler = scripted_http
     handler.script += [(500, {"error": {"message": "CUDA out of memory"}}, {})] * 3

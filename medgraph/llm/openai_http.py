@@ -144,6 +144,24 @@ class OpenAIChatModel(ChatModel):
                 self._sessions.append(session)
         return session
 
+    def _send(self, payload: dict[str, object], timeout: float) -> requests.Response:
+        """One POST whose whole reply must arrive within `timeout` seconds. requests' own timeout bounds each read
+        of the socket, so a server that sends a byte at a time would otherwise hold the call without end."""
+        ends = time.monotonic() + timeout
+        response = self._session().post(self.url, json=payload, timeout=timeout, stream=True)
+        body: list[bytes] = []
+        try:
+            # read1: whatever one socket read brings (iter_content would block until its whole chunk size came).
+            while chunk := response.raw.read1(1 << 16, decode_content=True):
+                body.append(chunk)
+                if time.monotonic() > ends:
+                    raise requests.Timeout(f"the reply took longer than {timeout:g} s in all (timeout_s; "
+                                           f"{sum(map(len, body))} bytes had come)")
+        finally:
+            response.close()
+        response._content = b"".join(body)  # what .json() and .text read
+        return response
+
     def _payload(self, conversation: Conversation, config: GenerationConfig) -> dict[str, object]:
         payload: dict[str, object] = {
             "model": self.model_id,
@@ -182,7 +200,7 @@ class OpenAIChatModel(ChatModel):
                     raise LlmRequestError(f"POST {self.url}: no reply before the caller's time limit ran out"
                                           + (f" ({problem})" if problem else ""), None, self.url)
             try:
-                response = self._session().post(self.url, json=payload, timeout=timeout)
+                response = self._send(payload, timeout)
             except (requests.ConnectionError, requests.Timeout) as error:
                 problem = f"{type(error).__name__}: {error}"
             else:
