@@ -234,6 +234,23 @@ def limit_registry_waits(env: MutableMapping[str, str] | None = None) -> None:
         env.setdefault(name, value)
 
 
+@contextmanager
+def registry_waits_limited() -> Iterator[None]:
+    """INTERACTIVE_HTTP_LIMITS (where not set) while the block runs, the environment as it was after: for a sensor
+    tick, which Dagster cuts off after 60 s, inside a code server whose runs must keep MLflow's patient defaults.
+    MLflow reads these variables at each request."""
+    saved = {name: os.environ.get(name) for name in INTERACTIVE_HTTP_LIMITS}
+    limit_registry_waits()
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
 def registry_wait_limit(env: Mapping[str, str] | None = None) -> str:
     """How long MLflow's HTTP client waits for a server at most, as its variables in `env` set it."""
     env = os.environ if env is None else env

@@ -9,8 +9,11 @@ import json
 
 import dagster as dg
 
+from mlflow.exceptions import MlflowException
+
 from jobs import evaluate_job
-from medgraph.tracking import MODELS
+from medgraph.settings import redact_uri
+from medgraph.tracking import MODELS, RegistryUnavailableError, registry_waits_limited
 from platform_assets.partitions import DATASETS
 from resources import MlflowResource
 
@@ -22,7 +25,12 @@ WATCHED_MODELS = tuple(model.name for model in MODELS.values())
            description="Requests evaluation of all methods when a champion alias moves to a new version.")
 def champion_sensor(context: dg.SensorEvaluationContext, mlflow_tracking: MlflowResource) -> dg.SensorResult:
     tracking = mlflow_tracking.tracking()
-    champions = {name: tracking.champion_version(name) for name in WATCHED_MODELS}
+    try:
+        with registry_waits_limited():  # the CLI's short waits: a registry that is down skips the tick
+            champions = {name: tracking.champion_version(name) for name in WATCHED_MODELS}
+    except (MlflowException, RegistryUnavailableError) as error:
+        reason = redact_uri(str(error)).splitlines()[0][:400]
+        return dg.SensorResult(skip_reason=f"MLflow registry unavailable, the next tick asks again: {reason}")
     previous = json.loads(context.cursor) if context.cursor else {}
     changed = {name: version for name, version in champions.items()
                if version is not None and previous.get(name) != version}

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 
 import dagster as dg
+import pytest
 
 from resources import UmlsReleaseResource
 from sensors.release import umls_release_sensor
@@ -52,6 +54,27 @@ def register_gat(tracking, auc: float) -> str:
     version = tracking.register(uri, "medgraph-gat")
     tracking.promote_if_better("medgraph-gat", version, "valid_roc_auc")
     return version
+
+
+def test_champion_sensor_skips_the_tick_soon_when_the_registry_is_down(tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch):
+    """Issue 58: with an unreachable MLflow the tick ran into Dagster's 60 s sensor deadline and kept the code server
+    busy for minutes. It now waits as the CLI does, skips with the reason, keeps its cursor and the env as it was."""
+    import time
+
+    from resources import MlflowResource
+    from sensors.registry import champion_sensor
+
+    monkeypatch.delenv("MLFLOW_HTTP_REQUEST_TIMEOUT", raising=False)
+    resource = MlflowResource(tracking_uri="http://127.0.0.1:1", artifact_root=str(tmp_path / "artifacts"))
+    started = time.monotonic()
+    result = champion_sensor(dg.build_sensor_context(cursor='{"medgraph-gat": "3"}',
+                                                     resources={"mlflow_tracking": resource}))
+    assert time.monotonic() - started < 40
+    assert not result.run_requests and result.cursor is None  # the cursor is kept: nothing was learnt
+    message = result.skip_reason.skip_message
+    assert message.startswith("MLflow registry unavailable, the next tick asks again: ") and "127.0.0.1:1" in message
+    assert "MLFLOW_HTTP_REQUEST_TIMEOUT" not in os.environ
 
 
 def test_champion_sensor_requests_evaluations_only_when_an_alias_moves(mlflow_db: Path, tmp_path: Path):
