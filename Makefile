@@ -56,7 +56,7 @@ test: install
 # Every run first fails runs killed earlier (kill -9, OOM) and frees their pool slots (jobs/executor.py);
 # `python -m jobs.recovery` does the same up front, so the UI does not list dead runs as running.
 # One run materializes the data, the models, the first dataset's evaluations (they are partitioned by dataset;
-# the unpartitioned assets run in the same run), GSRM's retrieval-level recall over every test item (no LLM) and
+# the unpartitioned assets run in the same run), GSRM's retrieval-level recall on test items (no LLM) and
 # the report: each `dg launch` pays ~15 s of start-up (Dagster, the dbt manifest, torch). Each further dataset's
 # evaluations are one more run, and the report is then refreshed.
 # `make demo` is the tour (short fits, no ablations: ~20 min on 2 cores); `make reproduce` the research run (the

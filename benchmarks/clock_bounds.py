@@ -7,8 +7,8 @@ the speed is the weights' shape, not their values, and nothing needs to be carri
 - **fit step**: one AdamW step of the reader adapter's recipe (LoRA r 16 on every block, 8 conversations in
   micro-batches sorted by length, the loss on the last `--reply` tokens of each, bf16 autocast), in each
   variant (with and without the padding mask, float32 or bf16 frozen weights; the first step's loss is printed:
-  every variant starts from the same weights, so the losses agree to bf16 rounding); its bound is the step's FLOPs (counted by torch's FlopCounterMode: every matmul and attention of the
-  forward and backward) at the bf16 matmul rate;
+  every variant starts from the same weights, so the losses agree to bf16 rounding); its bound is the shipped
+  step's FLOPs (torch's FlopCounterMode: every matmul and attention of the forward and backward) at the bf16 rate;
 - **decode step**: one token for 1 and for 24 rows over `--context` tokens of cache, as `TransformersChatModel`
   decodes (its in-place cache, left-padded rows, a mask), in float32 and in bfloat16 weights; its bound is the
   bytes a step must read (every weight once, the tied embedding once more as the LM head, and every row's keys
@@ -19,14 +19,13 @@ The ratio column is measured / bound: 1.0 would be the hardware's limit.
 
     .venv/bin/python benchmarks/clock_bounds.py [--threads 2] [--compile] [--device cpu]
 
-`--compile` adds the fit step under torch.compile (Inductor, one shape per micro-batch) and reports the seconds
-it took to compile. Runs with the device machine's python3 too (torch, transformers, peft; no medgraph install).
+`--compile` adds the fit step under torch.compile (Inductor, one shape per micro-batch); its first step, in the
+note column, includes the compilation. Runs with the device machine's python3 too (torch, transformers, peft; no medgraph install).
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import statistics
 import sys
 import time
@@ -165,11 +164,10 @@ def fit_rows(args: argparse.Namespace, bf16_rate: float) -> list[tuple[str, floa
     optimizers = {name: torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
                   for name, (model, *_) in built.items()}
     notes = {}
-    losses = {}
     for name, (model, forward, masked, batches) in built.items():  # a first step: allocation, kernels, compiling
         started = time.perf_counter()
-        losses[name] = fit_step(model, forward, batches, optimizers[name], args.device, masked)
-        notes[name] = f"first step {time.perf_counter() - started:.1f} s, loss {losses[name]:.5f}"
+        loss = fit_step(model, forward, batches, optimizers[name], args.device, masked)
+        notes[name] = f"first step {time.perf_counter() - started:.1f} s, loss {loss:.5f}"
     counter = FlopCounterMode(display=False)
     # The bound counts the shipped variant's work (no FLOPs spent on padding-masked attention beyond it).
     shipped = next(name for name in built if "shipped" in name)
@@ -275,5 +273,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    with contextlib.suppress(KeyboardInterrupt):
-        main()
+    main()

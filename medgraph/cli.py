@@ -126,7 +126,8 @@ def _cmd_status(args: argparse.Namespace) -> int:
             try:
                 # Every value is read (a hash of each whole row): count(*) alone comes from Parquet footers and
                 # calls a file whose middle is damaged fine.
-                rows = con.execute(f'SELECT count(*), sum(hash(t)) FROM "{schema}"."{table}" AS t').fetchone()[0]
+                rows = con.execute(f'SELECT count(*), sum(hash(whole_row)) FROM "{schema}"."{table}" AS whole_row'
+                                   ).fetchone()[0]
             except duckdb.Error as error:  # a damaged or missing lake file: say which, and list the others
                 unreadable.append(_writer_asset(schema, table))
                 reason = str(error).strip().splitlines()[0]

@@ -341,8 +341,8 @@ class TransformersChatModel(ChatModel):
     `eos_ids` the tokens generation pads with and stops at. One caller at a time: the
     sampling seed is set on torch's global generator (the HTTP server serializes calls).
     `prefix_cache_mb` bounds the prefix cache: 1 GB holds ~22k tokens of SmolLM2-135M's keys/values (46 KB a
-    token in float32), a lockstep batch of 24 agent conversations; at 2 GB it was a gigabyte of `make demo`'s
-    8.5 GB peak.
+    token in float32), a lockstep batch of 24 agent conversations; with the decode batch's caches it is the
+    evaluations' share of `make demo`'s memory peak (README).
     """
 
     supports_graph_tokens = True

@@ -67,9 +67,9 @@ def _server_message(response: requests.Response) -> str:
 CHAT_REPLY_SHAPE = '{"choices": [{"message": {"content": "..."}, "finish_reason": "..."}], "usage": {...}}'
 
 
-def _chat_choice(reply: object, url: str) -> tuple[dict, dict]:
-    """The first choice (with a `message` object) and the usage of a chat-completion reply; any other shape (a list,
-    null, choices that are not objects) is an LlmRequestError naming the server and the shape expected."""
+def _chat_choice(reply: object, url: str) -> tuple[dict, str | None, dict]:
+    """The first choice's message, its finish reason and the usage of a chat-completion reply; any other shape (a
+    list, null, choices that are not objects) is an LlmRequestError naming the server and the shape expected."""
     def wrong(what: str) -> LlmRequestError:
         return LlmRequestError(f"POST {url}: the reply is not an OpenAI chat completion ({what}; expected "
                                f"{CHAT_REPLY_SHAPE}): {str(reply)[:300]}", url=url)
@@ -81,12 +81,13 @@ def _chat_choice(reply: object, url: str) -> tuple[dict, dict]:
         raise wrong("no choices")
     if not isinstance(choices, list) or not isinstance(choices[0], dict):
         raise wrong("choices is not a list of objects")
-    if not isinstance(choices[0].get("message") or {}, dict):
+    message = choices[0].get("message") or {}
+    if not isinstance(message, dict):
         raise wrong("the choice's message is not an object")
     usage = reply.get("usage") or {}
     if not isinstance(usage, dict):
         raise wrong("usage is not an object")
-    return {**choices[0], "message": choices[0].get("message") or {}}, usage
+    return message, choices[0].get("finish_reason"), usage
 
 
 def _message_text(content: object) -> str:
@@ -232,10 +233,9 @@ class OpenAIChatModel(ChatModel):
             if self.raise_on_error:
                 raise
             return Completion("", 0, 0, time.perf_counter() - started, "error", self.name, {"error": str(error)})
-        choice, usage = _chat_choice(reply, self.url)
-        text = _message_text(choice["message"].get("content"))
-        text, stopped = truncate_at_stop(text, config.stop)  # servers differ in whether they cut
-        finish = "stop" if stopped else _FINISH.get(choice.get("finish_reason") or "stop", "stop")
+        message, finish_reason, usage = _chat_choice(reply, self.url)
+        text, stopped = truncate_at_stop(_message_text(message.get("content")), config.stop)  # servers differ here
+        finish = "stop" if stopped else _FINISH.get(finish_reason or "stop", "stop")
         return Completion(
             text=text,
             prompt_tokens=int(usage.get("prompt_tokens") or 0),

@@ -194,7 +194,7 @@ def token_logprobs(model: nn.Module, batch: TokenBatch) -> torch.Tensor:
     """(B, K) log-probabilities of the kept target tokens under `model` (float32).
 
     Without a padding mask attention takes its causal fast path (grouped keys/values not repeated, no
-    mask tensor per micro-batch): the reader adapter's step took 0.83x the time of the masked one, the
-    same loss (benchmarks/clock_bounds.py). Pad positions compute values nobody reads."""
+    masked flash-attention backward): with micro-batches of 2 the reader adapter's step takes 0.73x the
+    masked one's, at the same loss (benchmarks/clock_bounds.py). Pad positions compute values nobody reads."""
     logits = model(input_ids=batch.ids, logits_to_keep=batch.keep, use_cache=False).logits.float()
     return logits.gather(-1, batch.targets.unsqueeze(-1)).squeeze(-1) - logits.logsumexp(-1)

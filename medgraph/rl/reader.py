@@ -109,7 +109,7 @@ def parse_layouts(text: str) -> tuple[tuple[str, float], ...]:
 # better than 90 over three seeds (mean 0.847 vs 0.806, the weakest 0.812 vs 0.729) and still answer no better without
 # evidence (runs 13-14).
 # Micro-batches of 2, not 4: the same token-summed gradient (up to float rounding) at the same speed, and the fit's
-# activations peak at ~3.2 GB instead of ~4.6 GB (the demo's peak was this fit: 9.3 GB resident in all).
+# activations peak at ~3.2 GB instead of ~4.6 GB, which keeps `make demo` and `make reproduce` under 8 GB.
 DEMO_FIT = SftConfig(steps=135, batch_size=8, micro_batch_size=2, lr=2e-3, lr_schedule="cosine", warmup_share=0.1,
                      lora_r=16, lora_alpha=32)
 
