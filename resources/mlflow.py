@@ -12,7 +12,6 @@ from contextlib import contextmanager
 import dagster as dg
 import mlflow
 
-from medgraph.settings import Settings
 from medgraph.tracking import DATA_VERSION_TAG, Tracking
 
 # Where Dagster keeps an event's data version: a tag of the materialization or observation (the public
@@ -36,12 +35,6 @@ class MlflowResource(dg.ConfigurableResource):
 
     tracking_uri: str
     artifact_root: str
-
-    @classmethod
-    def from_settings(cls, settings: Settings) -> "MlflowResource":
-        """The settings' tracking server and artifact root (`Tracking.from_settings`)."""
-        tracking = Tracking.from_settings(settings)
-        return cls(tracking_uri=tracking.tracking_uri, artifact_root=tracking.artifact_root)
 
     def tracking(self) -> Tracking:
         return Tracking(self.tracking_uri, self.artifact_root)

@@ -1,6 +1,7 @@
 """The warehouse (DuckDB + Parquet lake) and the UMLS release location."""
 
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -8,8 +9,9 @@ import dagster as dg
 
 from medgraph.home import HomeLayout
 from medgraph.s3 import download_release, is_s3_uri, list_objects, listing_fingerprint, s3_client_and_options
-from medgraph.settings import Settings, load_settings
+from medgraph.settings import Settings, load_settings, redact_uri
 from medgraph.storage import Warehouse, warehouse_at
+from medgraph.tracking import Tracking
 from medgraph.umls.filters import IngestFilters
 from medgraph.umls.release import release_fingerprint, resolve_release_dir
 from medgraph.umls.schema import INGESTED
@@ -97,11 +99,27 @@ class UmlsReleaseResource(dg.ConfigurableResource):
         )
 
 
+def by_name_if_secret(value: str | None, variable: str) -> Any:
+    """`value` as resource config, or `dg.EnvVar(variable)` when it holds a credential (`user:password@` in a
+    URL, `?password=`): Dagster keeps resource config in every run's snapshot and shows it on the UI's
+    resource page, but of an EnvVar only the variable's name; the value is read when the run starts."""
+    if value is None or redact_uri(value) == value:
+        return value
+    if os.environ.get(variable) != value:
+        raise ValueError(f"{variable} ({redact_uri(value)}) holds a credential: give it to the code location in "
+                         f"its environment, so that only the variable's name is stored with each run")
+    return dg.EnvVar(variable)
+
+
 def build_resources(settings: Settings | None = None) -> dict[str, dg.ConfigurableResource]:
-    """The resources of the code location, configured from the environment (docs/ARCHITECTURE.md "Settings")."""
+    """The resources of the code location, configured from the environment (docs/ARCHITECTURE.md "Settings").
+    URL settings that hold a credential are passed by variable name (`by_name_if_secret`)."""
     settings = settings or load_settings()
     home = str(settings.home)
-    s3 = S3Access(endpoint_url=settings.s3_endpoint_url, credentials_secret_id=settings.aws_secret_id)
+    s3 = S3Access(endpoint_url=by_name_if_secret(settings.s3_endpoint_url, "MEDGRAPH_S3_ENDPOINT_URL"),
+                  credentials_secret_id=settings.aws_secret_id)
+    lake = by_name_if_secret(settings.lake or None, "MEDGRAPH_LAKE")
+    umls_dir = by_name_if_secret(settings.umls_dir, "MEDGRAPH_UMLS_DIR")
     from dagster_dbt import DbtCliResource
 
     from platform_assets.dbt_project import DBT_EXECUTABLE, dbt_project
@@ -110,14 +128,17 @@ def build_resources(settings: Settings | None = None) -> dict[str, dg.Configurab
     from resources.mlflow import MlflowResource
     from resources.training import TrainingResource
 
+    tracking = Tracking.from_settings(settings)
     return {
-        "warehouse": WarehouseResource(home=home, lake=settings.lake or None, s3=s3,
+        "warehouse": WarehouseResource(home=home, lake=lake, s3=s3,
                                        memory_limit=settings.duckdb_memory_limit or "2GB",
                                        dbt_memory_limit=settings.duckdb_memory_limit),
         "dbt": DbtCliResource(project_dir=dbt_project, dbt_executable=DBT_EXECUTABLE),
-        "release": UmlsReleaseResource(home=home, umls_dir=settings.umls_dir, profile=settings.profile, s3=s3),
+        "release": UmlsReleaseResource(home=home, umls_dir=umls_dir, profile=settings.profile, s3=s3),
         "encoder": EncoderResource(spec=settings.encoder),
-        "mlflow_tracking": MlflowResource.from_settings(settings),
-        "llm": LlmResource(spec=settings.llm, home=home),
+        "mlflow_tracking": MlflowResource(
+            tracking_uri=by_name_if_secret(tracking.tracking_uri, "MLFLOW_TRACKING_URI"),
+            artifact_root=by_name_if_secret(tracking.artifact_root, "MEDGRAPH_MLFLOW_ARTIFACTS")),
+        "llm": LlmResource(spec=by_name_if_secret(settings.llm, "MEDGRAPH_LLM"), home=home),
         "training": TrainingResource(profile=settings.profile),
     }

@@ -112,3 +112,40 @@ def test_a_bad_secret_is_a_clear_error_that_names_the_secret_not_its_value(secre
     assert CANARY_KEY_ID not in str(e.value)
     with pytest.raises(SecretValueError, match="cannot read secret 'medgraph/absent'"):
         S3Access(credentials_secret_id="medgraph/absent").client()
+
+
+URL_PASSWORD = "canary-url-password-Hh27Kq"
+
+
+def test_a_password_in_a_url_setting_is_kept_nowhere_in_the_home_and_not_shown(
+        synthetic_release: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """Issue 58 case 1: with a password in the LLM's URL (or any URL setting), a launch kept it in Dagster's
+    run storage (the run's snapshot holds the resources' config) and the UI's resource page showed it. Now
+    such settings reach Dagster by variable name only; the run still reads the value."""
+    from dagster._core.remote_representation.external_data import RepositorySnap
+
+    from medgraph.home import HomeLayout
+
+    home = tmp_path / "home"
+    env = {"MEDGRAPH_HOME": str(home), "MEDGRAPH_PROFILE": "tiny", "MEDGRAPH_UMLS_DIR": str(synthetic_release),
+           "MEDGRAPH_LLM": f"openai:served@http://bob:{URL_PASSWORD}@127.0.0.1:9/v1",
+           "MEDGRAPH_S3_ENDPOINT_URL": f"http://bob:{URL_PASSWORD}@127.0.0.1:9",
+           "MLFLOW_TRACKING_URI": f"http://bob:{URL_PASSWORD}@127.0.0.1:9"}
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    resources = build_resources()
+    assert resources["llm"].spec == dg.EnvVar("MEDGRAPH_LLM")
+    definitions = dg.Definitions(assets=[*umls.umls_tables], resources=resources)
+    ui_snapshot = json.dumps(dg.serialize_value(RepositorySnap.from_def(definitions.get_repository_def())))
+    assert "MEDGRAPH_LLM" in ui_snapshot and URL_PASSWORD not in ui_snapshot
+
+    (tmp_path / "dagster_home").mkdir()
+    instance = dg.DagsterInstance.local_temp(str(tmp_path / "dagster_home"))
+    result = dg.materialize([*umls.umls_tables], resources=resources, instance=instance)
+    assert result.success
+    events = [json.dumps(dg.serialize_value(e), default=str) for e in instance.all_logs(result.run_id)]
+    stored = [p.read_bytes() for root in (tmp_path / "dagster_home", home) for p in root.rglob("*") if p.is_file()]
+    assert stored and HomeLayout(home).warehouse.is_file()
+    assert not [e for e in events if URL_PASSWORD in e]
+    assert not [i for i, data in enumerate(stored) if URL_PASSWORD.encode() in data]
+    assert URL_PASSWORD in resources["llm"].process_config_and_initialize().spec  # what a run's resource reads
