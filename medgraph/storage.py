@@ -53,6 +53,22 @@ _repointed_copies: dict[tuple[str, int, int], Path] = {}
 class WarehouseNotWritableError(RuntimeError):
     """The warehouse file must be changed (its views re-pointed) but cannot be written."""
 
+
+class DamagedLakeFileError(RuntimeError):
+    """A lake file that is not readable Parquet (truncated, overwritten): named, with the way to rebuild it."""
+
+
+@contextmanager
+def reading_lake_file(path: Path | str) -> Iterator[None]:
+    """pyarrow reads inside the block raise DamagedLakeFileError naming `path` (the lake's name for the file,
+    not a local copy's): pyarrow's own message names neither ("Parquet magic bytes not found in footer")."""
+    try:
+        yield
+    except (pa.ArrowException, duckdb.InvalidInputException, duckdb.IOException) as error:
+        raise DamagedLakeFileError(
+            f"{path}: not a readable Parquet file ({error}). It is damaged or incomplete: materialize the asset "
+            f"that writes it again (`medgraph status` names it)") from None
+
 # A string literal in the SQL text DuckDB keeps for a view ('' is an escaped quote).
 _SQL_STRING = re.compile(r"'((?:[^']|'')*)'")
 

@@ -237,6 +237,24 @@ def test_non_utf8_bytes_name_the_file_and_line(release_copy: Path, warehouse):
         ingest_rrf_file(release_copy, "MRCONSO", warehouse)
 
 
+@pytest.mark.parametrize("where", ["inside a field", "at the end of the file"])
+def test_a_stray_carriage_return_names_the_file_and_line(release_copy: Path, warehouse, where: str):
+    """Issue 58 case 6. Before: DuckDB's "CSV Parser state machine reached an invalid state", no line, and a
+    fix (strict_mode=false) that is not a setting of ours."""
+    from medgraph.umls.completeness import ReleaseIncompleteError
+    from medgraph.umls.ingest import ingest_rrf_file
+
+    path = release_copy / "MRCONSO.RRF"
+    lines = path.read_bytes().splitlines(keepends=True)
+    if where == "inside a field":
+        lines[4], line = lines[4].replace(b"|", b"|ab\rcd", 1), 5
+    else:
+        lines[-1], line = lines[-1].rstrip(b"\n") + b"\r", len(lines)
+    path.write_bytes(b"".join(lines))
+    with pytest.raises(ReleaseIncompleteError, match=rf"MRCONSO\.RRF:{line}: a carriage return \(\\r\) inside the row"):
+        ingest_rrf_file(release_copy, "MRCONSO", warehouse)
+
+
 # Fault 9 (MIRAGE): an item without options was accepted; options as a list or an item that is a string were a
 # raw AttributeError; a truncated file's JSON error omitted the file name; non-UTF-8 bytes named no line.
 
@@ -610,3 +628,34 @@ def test_split_parts_that_mrfiles_lists_must_all_be_there(sample_copy: Path, war
                                                      r"\(MRREL\.RRF\.aa to MRREL\.RRF\.ac\), the release has 2: "
                                                      r"MRREL\.RRF\.ac is missing"):
         ingest_rrf_file(sample_copy, "MRREL", warehouse)
+
+
+def test_a_truncated_lake_file_read_downstream_is_named_with_what_to_do(tmp_path: Path):
+    """Issue 58 case 6. Before: `ArrowInvalid: Parquet magic bytes not found in footer`, no path."""
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from medgraph.embed.index import VectorIndex
+    from medgraph.embed.tables import read_embeddings
+    from medgraph.storage import DamagedLakeFileError, Lake
+    from medgraph.text.mentions import read_chunks
+
+    lake = Lake(tmp_path / "lake")
+    embeddings = lake.table_path("embeddings", "node_embeddings")
+    embeddings.parent.mkdir(parents=True)
+    vectors = pa.array(list(np.eye(4, dtype=np.float32)), type=pa.list_(pa.float32(), 4))
+    pq.write_table(pa.table({"id": [1, 2, 3, 4], "content_hash": ["h"] * 4, "encoder_id": ["e"] * 4,
+                             "embedding": vectors}), embeddings)
+    assert read_embeddings(lake, "node_embeddings")[1].shape == (4, 4)  # intact, it reads
+    embeddings.write_bytes(embeddings.read_bytes()[:-100])
+    chunks = lake.table_path("text", "corpus_chunks")
+    chunks.parent.mkdir(parents=True)
+    chunks.write_bytes(b"PAR1 not a whole file")
+    reads = [(lambda: read_embeddings(lake, "node_embeddings"), embeddings),
+             (lambda: VectorIndex.build(lake, "node_embeddings"), embeddings), (lambda: next(read_chunks(lake)), chunks)]
+    for read, damaged in reads:
+        with pytest.raises(DamagedLakeFileError) as raised:
+            read()
+        assert str(raised.value).startswith(f"{damaged}: not a readable Parquet file (")
+        assert "materialize the asset that writes it again" in str(raised.value)

@@ -39,7 +39,7 @@ import pyarrow.parquet as pq
 
 from medgraph.embed.tables import SCHEMA
 from medgraph.s3 import S3Lake
-from medgraph.storage import Lake, sql_literal
+from medgraph.storage import Lake, reading_lake_file, sql_literal
 
 log = logging.getLogger(__name__)
 
@@ -153,7 +153,8 @@ class VectorIndex:
         set_faiss_threads(threads)
         started = time.perf_counter()
         # A stable copy: a concurrent publish of the table must not change the rows under the build.
-        with lake.local_copy(_table_path(lake, target), stable=True) as snapshot:
+        name = _table_path(lake, target)
+        with lake.local_copy(name, stable=True) as snapshot, reading_lake_file(name):
             version, rows = table_version(snapshot)
             source = pq.ParquetFile(snapshot)
             dim = source.schema_arrow.field("embedding").type.list_size
@@ -205,7 +206,8 @@ class VectorIndex:
         index_path, ids_path = _paths(lake, target, version)
         if not lake.exists(index_path) or not lake.exists(ids_path):
             raise IndexNotFoundError(f"no index version {version} of {SCHEMA}.{target} at {index_path}")
-        ids_table = pq.read_table(lake.fetch(ids_path))
+        with reading_lake_file(ids_path):
+            ids_table = pq.read_table(lake.fetch(ids_path))
         stored = json.loads(ids_table.schema.metadata[_METADATA_KEY])
         index = faiss.read_index(str(lake.fetch(index_path)))
         params = IndexParams(m=stored.get("m", IndexParams.m), ef_construction=stored.get("ef_construction",
@@ -221,7 +223,8 @@ class VectorIndex:
         version, rows = table_version(_table_path(lake, target), lake)
         index_path, ids_path = _paths(lake, target, version)
         if lake.exists(index_path) and lake.exists(ids_path):
-            stored = json.loads(pq.read_schema(lake.fetch(ids_path)).metadata[_METADATA_KEY])
+            with reading_lake_file(ids_path):
+                stored = json.loads(pq.read_schema(lake.fetch(ids_path)).metadata[_METADATA_KEY])
             if all(stored.get(key) == value for key, value in params.build_key(rows).items()):
                 return cls.load(lake, target, version, ef_search=params.ef_search, threads=threads)
         return cls.build(lake, target, params, threads)

@@ -38,7 +38,7 @@ from tqdm.auto import tqdm
 
 from medgraph.embed.encoder import Encoder
 from medgraph.s3 import S3Lake
-from medgraph.storage import Lake, Warehouse, quote_ident, sql_literal
+from medgraph.storage import Lake, Warehouse, quote_ident, reading_lake_file, sql_literal
 
 log = logging.getLogger(__name__)
 
@@ -441,7 +441,8 @@ def merge_shards(
                 raise ShardsNotCurrentError(
                     f"{target}: the shard files are not the current source embedded by {encoder_id} ({detail}); "
                     f"embed shards {_names([k for k, *_ in bad], shards)} again", [k for k, *_ in bad])
-            dim = pq.read_schema(local[0]).field("embedding").type.list_size
+            with reading_lake_file(local[0]):
+                dim = pq.read_schema(local[0]).field("embedding").type.list_size
             columns = f"id, content_hash, encoder_id, CAST(embedding AS FLOAT[{dim}]) AS embedding"
             written = _write_table(con, f"SELECT {columns} FROM shards", dim, staging)
         if written != rows:
@@ -474,7 +475,8 @@ def embed_source(warehouse: Warehouse, target: str, encoder: Encoder, **options:
 
 def read_embeddings(lake: Lake | S3Lake, target: str) -> tuple[np.ndarray, np.ndarray]:
     """(ids, float32 vectors) of a whole embedding table: for small tables, GAT features and tests."""
-    with lake.local_copy(lake.table_path(SCHEMA, target)) as path:
+    name = lake.table_path(SCHEMA, target)
+    with lake.local_copy(name) as path, reading_lake_file(name):
         table = pq.read_table(path, columns=["id", "embedding"])
     embedding = table.column("embedding").combine_chunks()
     vectors = embedding.flatten().to_numpy(zero_copy_only=False).reshape(-1, embedding.type.list_size)

@@ -60,7 +60,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from medgraph.s3 import S3Lake
-from medgraph.storage import Lake, Warehouse, quote_ident, sql_literal, transaction
+from medgraph.storage import Lake, Warehouse, quote_ident, reading_lake_file, sql_literal, transaction
 
 log = logging.getLogger(__name__)
 
@@ -371,7 +371,7 @@ def read_chunks(lake: Lake | S3Lake, batch_rows: int = _BATCH_CHUNKS) -> Iterato
     if not lake.exists(path):
         raise FileNotFoundError(f"{path} not found: build text.corpus_chunks first (medgraph.text.corpus)")
     columns = ["chunk_id", "title", "text"]
-    with lake.local_copy(path) as local:
+    with lake.local_copy(path) as local, reading_lake_file(path):
         for batch in pq.ParquetFile(local).iter_batches(batch_size=batch_rows, columns=columns):
             ids, titles, texts = (batch.column(i).to_pylist() for i in range(3))
             yield [TextChunk(c, t or "", x) for c, t, x in zip(ids, titles, texts)]

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import codecs
 import gzip
+import re
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -114,6 +115,8 @@ def scan_source(source: RrfSource) -> tuple[int, int]:
                         bad = chunk[max(error.start, 0): max(error.start, 0) + 4]
                         raise ReleaseIncompleteError(f"{path}:{at}: not UTF-8 (bytes {bad.hex(' ')}); RRF files "
                                                      f"are UTF-8: re-extract the release or convert the file") from None
+                    if b"\r" in chunk or last == b"\r":
+                        _refuse_bare_carriage_return(path, chunk, line, last)
                     newlines = chunk.count(b"\n")
                     line += newlines
                     rows += newlines
@@ -125,9 +128,29 @@ def scan_source(source: RrfSource) -> tuple[int, int]:
         except (EOFError, gzip.BadGzipFile, zlib.error) as error:
             raise ReleaseIncompleteError(f"{path}: corrupt or truncated gzip archive ({error}); "
                                          f"`gzip -t {path.name}` confirms it") from None
+        if last == b"\r":
+            _refuse_bare_carriage_return(path, b"", line, last)
         if last != b"\n":
             rows += 1  # a last row without its newline still counts
     return rows, total
+
+
+_BARE_CR = re.compile(rb"\r(?!\n)")
+
+
+def _refuse_bare_carriage_return(path: Path, chunk: bytes, line: int, previous_last: bytes) -> None:
+    """A CR not followed by a line feed: RRF has no quoting, so DuckDB's reader stops on it with its parser
+    state and no line. `line` is the chunk's first line; `previous_last` the previous chunk's last byte (a
+    CR there belongs to this line)."""
+    if previous_last == b"\r" and not chunk.startswith(b"\n"):
+        at = line
+    else:
+        match = _BARE_CR.search(chunk[:-1] if chunk.endswith(b"\r") else chunk)
+        if match is None:
+            return
+        at = line + chunk.count(b"\n", 0, match.start())
+    raise ReleaseIncompleteError(f"{path}:{at}: a carriage return (\\r) inside the row; RRF rows end with a line "
+                                 f"feed and no field holds a line break: remove it from the file")
 
 
 def split_part_names(source: RrfSource) -> tuple[str, ...]:
