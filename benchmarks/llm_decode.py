@@ -1,6 +1,6 @@
 """Benchmark: a decode step with the keys/values written in place vs appended by concatenation (SmolLM2, CPU).
 
-The evaluations spend most of their LLM time decoding, not prefilling (demo of b027582: ~219k prompt tokens
+The evaluations spend most of their LLM time decoding, not prefilling (a demo run of 2026-12-04: ~219k prompt tokens
 computed against ~52k generated, in 39 minutes of evaluation), and a decode step's cost grows with the cache it
 attends over. transformers' DynamicLayer appends each step's token with torch.cat, which allocates and copies
 the whole cache (rows x context) at every step; `TransformersChatModel` reserves room for the reply once and

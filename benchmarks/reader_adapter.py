@@ -11,9 +11,9 @@ and prints accuracy, parse failures and the share asked again, with the paired d
 sign test). Numbers go to `benchmarks/_work/reader_adapter.json`.
 
 `--gate-check` also runs the adapted reader as the `models/reader_adapter` gate and the evaluation assets do:
-batches of 24 (`reading_accuracy`; 8 until 0e685ca), the LoRA merged into the weights (`save_policy`), and counts the replies that
-differ from the unmerged, one-batch run above. Run 9 (benchmarks/README.md): 0 of 48 differ, so the gate's 0.60
-against this script's 0.73 for the same examples is fit-to-fit spread, not batching or merging.
+batches of 24 (`reading_accuracy`), the LoRA merged into the weights (`save_policy`), and counts the replies that
+differ from the unmerged, one-batch run above (when 0 of 48 differ, a gap between the gate's number and this
+script's for the same examples is fit-to-fit spread, not batching or merging).
 
     .venv/bin/python benchmarks/reader_adapter.py --home .medgraph --valid 48
 """

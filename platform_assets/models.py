@@ -185,12 +185,12 @@ class ReaderAdapterConfig(dg.Config):
     no_evidence_share: float | None = None
     """Share of the multiple-choice examples shown no evidence at all (target: nothing found); 0.1 by default."""
     one_hop_copies: int | None = None
-    """Copies of each one-hop multiple-choice train question among the examples (1 by default; 2 was no reliable gain:
-    benchmarks/README.md run 13)."""
+    """Copies of each one-hop multiple-choice train question among the examples (1 by default; 2 was no reliable gain on
+    validation)."""
     baited_copies: int | None = None
     """Copies (times `one_hop_copies`) of each one-hop question whose answer links to a wrong option, whose evidence
-    baits a second hop (`medgraph.rl.reader.baits_a_second_hop`); 1 by default (3 were no gain over three seeds:
-    benchmarks/README.md run 15)."""
+    baits a second hop (`medgraph.rl.reader.baits_a_second_hop`); 1 by default (3 were no gain over three seeds on
+    validation)."""
     answer_form: str | None = None
     """How targets name the answer: "text" (the option's text in the answer tag; the profiles' default) or "letter"
     (the text, then its letter); `medgraph.rl.reader.name_the_option`."""

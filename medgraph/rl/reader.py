@@ -31,7 +31,7 @@ methods' answering calls use (`LAYOUTS`, drawn per example):
 
 Which layouts the profiles use, and why the target quotes the fact instead of citing its number ("Fact 3 states
 that ...", which the 135M reader chose before reading: 0.40 vs 0.75 oracle-evidence on validation), is measured in
-benchmarks/README.md (`reader_adapter.py`, runs 5-8).
+validation (the history of those runs is in git: `git log -p benchmarks/README.md`).
 
 Where we depart from RAFT: a withheld example's target names no option. RAFT keeps the correct answer there,
 which trains the reader to answer from memory; on a KG-derived benchmark that is memorising the KG, which the
@@ -83,7 +83,7 @@ NOT_FOUND_DOCUMENTS = "None of the documents answers the question."
 # The answering-call layouts the examples are drawn from (module doc), and the default share of each. rag_kg (what
 # rag-kg retrieved) took its 0.3 from the others: on the whole validation split rag-kg@adapted read its own evidence
 # with every gold fact in it 47/82 on each of two seeds (without it 32/82), the oracle layout 0.816 on both
-# (without 0.856-0.888), no better without evidence (benchmarks/README.md run 16).
+# (without 0.856-0.888), no better without evidence.
 LAYOUTS = ("kg_facts", "a2rag", "documents", "rag_kg")
 DEFAULT_LAYOUTS = (("kg_facts", 0.3), ("a2rag", 0.2), ("documents", 0.2), ("rag_kg", 0.3))
 ANSWER_FORMS = ("letter", "text")
@@ -102,12 +102,11 @@ def parse_layouts(text: str) -> tuple[tuple[str, float], ...]:
                          f"got {text!r}")
     return tuple((name.strip(), float(weight)) for name, weight in pairs)
 
-# `make demo` on 2 CPU cores: 135 steps of 8 examples (~15 s a step with rag_kg's long examples, 7-10 s without; three
-# quarters of the examples seen once). A constant 1e-3 ends where its last batches leave it (validation 0.50-0.79 over
-# three seeds, one fit answering "none found" to 29 of 48); a cosine decay from 2e-3 ends calm (run 11). With chained
-# 2-hop targets, 90 steps read better than 60 (run 12); on validation drawn as the evaluation draws, 135 steps read
-# better than 90 over three seeds (mean 0.847 vs 0.806, the weakest 0.812 vs 0.729) and still answer no better without
-# evidence (runs 13-14).
+# The research fit (`make reproduce`): 135 steps of 8 examples (three quarters of the examples seen once). A constant
+# 1e-3 ends where its last batches leave it (validation 0.50-0.79 over three seeds, one fit answering "none found" to
+# 29 of 48); a cosine decay from 2e-3 ends calm. With chained 2-hop targets, 90 steps read better than 60; on
+# validation drawn as the evaluation draws, 135 steps read better than 90 over three seeds (mean 0.847 vs 0.806, the
+# weakest 0.812 vs 0.729) and still answer no better without evidence.
 # Micro-batches of 2, not 4: the same token-summed gradient (up to float rounding) at the same speed, and the fit's
 # activations peak at ~3.2 GB instead of ~4.6 GB, which keeps `make demo` and `make reproduce` under 8 GB.
 DEMO_FIT = SftConfig(steps=135, batch_size=8, micro_batch_size=2, lr=2e-3, lr_schedule="cosine", warmup_share=0.1,
@@ -126,16 +125,15 @@ class ReaderConfig:
     no_evidence_share: float = 0.1
     fit: SftConfig = field(default_factory=lambda: DEMO_FIT)
     # How a target names its answer (`name_the_option`): "text" (the option's text in the tag) or "letter" (the
-    # text, then its letter in the tag, which the adapters look up one line early: run 11).
+    # text, then its letter in the tag, which the adapters look up one line early).
     answer_form: str = "text"
     # Copies of each one-hop multiple-choice question among the examples, each drawn afresh (layout, withholding,
     # distractor order): one-hop questions are a fifth of the train split's multiple-choice ones; 2 copies were no
-    # reliable gain (benchmarks/README.md run 13).
+    # reliable gain on validation.
     one_hop_copies: int = 1
     # A one-hop question whose evidence baits a second hop (`baits_a_second_hop`) enters this many times more
-    # (times `one_hop_copies`): 52 train questions, under 4% of the examples once; 6 of the 135-step demo's 8 test
-    # misses (run 14). 3 copies were no gain over three seeds on the whole validation split: 0.869 mean either way
-    # (run 15), so one copy, the simpler recipe.
+    # (times `one_hop_copies`): 52 train questions, under 4% of the examples once. 3 copies were no gain over three
+    # seeds on the whole validation split (0.869 mean either way), so one copy, the simpler recipe.
     baited_copies: int = 1
     valid_dataset: str = "kgqa_mc"  # the gate: the first `valid_items` of this dataset in the validation file
     valid_items: int = 48
@@ -217,8 +215,8 @@ def held_out_pairs(items: Iterable[QaItem]) -> frozenset[Pair]:
 def baits_a_second_hop(graph: KnowledgeGraph, items: Sequence[QaItem]) -> list[bool]:
     """Per item: is it a one-hop multiple-choice question whose answer concept has a fact to a wrong option? Oracle
     evidence shows that fact beside the gold one (every fact between the question's concepts and the wrong options),
-    and a reader taught to follow 2-hop chains reads one fact too far ("X isa Y; and that Y manifestation of Z" -> Z):
-    6 of the 135-step demo's 8 test misses (benchmarks/README.md run 14). One graph query for all items."""
+    and a reader taught to follow 2-hop chains reads one fact too far ("X isa Y; and that Y manifestation of Z" -> Z).
+    One graph query for all items."""
     asked = [item for item in items if item.extra.get("hops") == 1 and item.extra.get("answer_cuis")]
     linked: dict[str, set[str]] = {}
     for triple in graph.one_hop(sorted({c for item in asked for c in item.extra["answer_cuis"]})):
@@ -238,7 +236,7 @@ def name_the_option(item: QaItem, answer_form: str) -> str:
     fact and answered A regardless. `text`: the option's text in the tag ("The answer is
     <answer>Hypertension</answer>."), which every method's parser reads as that option (`parse_answer`): a copy
     of the text it just quoted instead of the look-up back from text to letter, which is where the letter form's
-    adapters miss most (benchmarks/README.md, run 11)."""
+    adapters missed most on validation."""
     text = item.options[item.answer]
     if answer_form == "text":
         return f"The answer is <answer>{text}</answer>."
