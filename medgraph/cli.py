@@ -103,7 +103,7 @@ def _cmd_sample_release(args: argparse.Namespace) -> int:
 def _cmd_status(args: argparse.Namespace) -> int:
     """Where the platform's state is and what it holds (printed at the end of `make demo`)."""
     from medgraph.settings import load_settings, redact_uri
-    from medgraph.storage import open_warehouse
+    from medgraph.storage import list_tables, open_warehouse
 
     settings = load_settings()
     warehouse = open_warehouse(settings)
@@ -118,11 +118,7 @@ def _cmd_status(args: argparse.Namespace) -> int:
 
     unreadable: list[str] = []
     with warehouse.connect(read_only=True) as con:
-        tables = con.execute(
-            "SELECT table_schema, table_name FROM information_schema.tables "
-            "WHERE table_schema NOT IN ('information_schema', 'pg_catalog') AND table_schema NOT LIKE 'fts_%' "
-            "ORDER BY 1, 2").fetchall()
-        for schema, table in tables:
+        for schema, table in list_tables(con):
             try:
                 # Every value is read (a hash of each whole row): count(*) alone comes from Parquet footers and
                 # calls a file whose middle is damaged fine.
@@ -550,6 +546,11 @@ def _answer(args: argparse.Namespace, item: Any, config: object, deadline: float
             reader.close()
     if no_tokenizer and result.stats.get("hiim") == "text-only":
         result.stats["hiim_reason"] = no_tokenizer  # A2RAG says only that it had none; this says why
+    return _print_answer(args, item, result)
+
+
+def _print_answer(args: argparse.Namespace, item: Any, result: Any) -> int:
+    """The answer as JSON, or as one line (after the trace with --trace); exit status 2 when unparseable."""
     if args.json:
         payload = {k: v for k, v in result.as_dict().items() if k not in ("answer", "correct", "f1")}
         print(json.dumps(payload, ensure_ascii=False, indent=1, default=str))

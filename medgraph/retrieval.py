@@ -14,7 +14,7 @@ from typing import Literal
 from medgraph.embed.encoder import Encoder
 from medgraph.embed.index import VectorIndex
 from medgraph.kg.graph import KnowledgeGraph, Node, Triple
-from medgraph.storage import Warehouse
+from medgraph.storage import Warehouse, table_exists
 from medgraph.text.bm25 import bm25_search
 from medgraph.text.corpus import CONCEPT_SOURCES  # sources whose doc_id is a CUI
 
@@ -167,10 +167,7 @@ class Retriever:
         """Whether the warehouse holds `schema.table` (looked up once per retriever)."""
         key = f"{schema}.{table}"
         if key not in self._tables:
-            found = self.graph.con.execute(
-                "SELECT count(*) FROM information_schema.tables WHERE table_schema = $s AND table_name = $t",
-                {"s": schema, "t": table}).fetchone()
-            self._tables[key] = bool(found and found[0])
+            self._tables[key] = table_exists(self.graph.con, schema, table)
         return self._tables[key]
 
     def chunks_mentioning(self, cuis: Sequence[str], limit: int, related: Mapping[str, Collection[str]] | None = None,

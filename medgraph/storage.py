@@ -86,6 +86,35 @@ def transaction(con: duckdb.DuckDBPyConnection) -> Iterator[duckdb.DuckDBPyConne
     con.execute("COMMIT")
 
 
+def table_exists(con: duckdb.DuckDBPyConnection, schema: str, table: str) -> bool:
+    """Whether the connection's catalog holds `schema.table` (a table or a view)."""
+    return bool(con.execute("SELECT count(*) FROM information_schema.tables WHERE table_schema = ? "
+                            "AND table_name = ?", [schema, table]).fetchone()[0])
+
+
+def list_tables(con: duckdb.DuckDBPyConnection, schema: str | None = None, like: str = "%") -> list[tuple[str, str]]:
+    """(schema, name) of the catalog's tables and views matching `like`, in `schema` or in every schema of
+    ours (not DuckDB's own, nor the BM25 index's internal `fts_*`), sorted."""
+    if schema:
+        where, params = "table_schema = ?", [schema]
+    else:
+        where, params = "table_schema NOT IN ('information_schema', 'pg_catalog') AND table_schema NOT LIKE 'fts_%'", []
+    return [tuple(row) for row in con.execute(
+        f"SELECT table_schema, table_name FROM information_schema.tables WHERE {where} AND table_name LIKE ? "
+        "ORDER BY 1, 2", [*params, like]).fetchall()]
+
+
+def read_rows(warehouse: Warehouse, schema: str, table: str, order_by: str = "") -> list[dict[str, object]]:
+    """The rows of `schema.table` as dicts (in `order_by`, an SQL ORDER BY list); [] while it does not exist."""
+    with warehouse.connect(read_only=True) as con:
+        if not table_exists(con, schema, table):
+            return []
+        cursor = con.execute(f"SELECT * FROM {quote_ident(schema)}.{quote_ident(table)}"
+                             + (f" ORDER BY {order_by}" if order_by else ""))
+        columns = [c[0] for c in cursor.description]
+        return [dict(zip(columns, row, strict=True)) for row in cursor.fetchall()]
+
+
 def quote_ident(name: str) -> str:
     return '"' + name.replace('"', '""') + '"'
 
@@ -418,11 +447,7 @@ class Warehouse:
         if not self.path.exists():
             return False
         with self.connect(read_only=True) as con:
-            row = con.execute(
-                "SELECT count(*) FROM information_schema.tables WHERE table_schema = ? AND table_name = ?",
-                [schema, table],
-            ).fetchone()
-            return bool(row[0])
+            return table_exists(con, schema, table)
 
 
 @dataclass(frozen=True)

@@ -31,7 +31,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from medgraph.methods.common import MethodResult, trace_rows
-from medgraph.storage import Warehouse, sql_literal
+from medgraph.storage import Warehouse, list_tables, sql_literal
 
 SCHEMA = "eval"
 
@@ -284,9 +284,7 @@ def write_run(warehouse: Warehouse, asset: str, dataset: str, results: Sequence[
 def read_eval_views(warehouse: Warehouse, suffix: str) -> list[dict[str, object]]:
     """Every row of every `eval.*<suffix>` view (e.g. `_results`), each with the asset it came from."""
     with warehouse.connect(read_only=True) as con:
-        views = [row[0] for row in con.execute(
-            "SELECT table_name FROM information_schema.tables WHERE table_schema = 'eval' "
-            "AND table_name LIKE ? ORDER BY 1", [f"%{suffix}"]).fetchall()]
+        views = [name for _, name in list_tables(con, "eval", like=f"%{suffix}")]
         rows = []
         for view in views:
             cursor = con.execute(f"SELECT * FROM eval.{view}")

@@ -36,7 +36,7 @@ from medgraph.methods.a2rag import A2RagConfig, gsrm_refine
 from medgraph.methods.registry import make_config, method_of
 from medgraph.methods.tools import KnowledgeTools
 from medgraph.qa.item import QaItem, gold_pairs
-from medgraph.storage import Warehouse
+from medgraph.storage import Warehouse, read_rows
 
 log = logging.getLogger(__name__)
 
@@ -395,15 +395,8 @@ def recall_markdown(rows: Sequence[Mapping[str, object]]) -> str:
 
 def gsrm_recall_rows(warehouse: Warehouse) -> list[dict[str, object]]:
     """The rows of `eval.gsrm_recall` as dicts (for the report); [] when it has not been written."""
-    with warehouse.connect(read_only=True) as con:
-        exists = con.execute("SELECT count(*) FROM information_schema.tables "
-                             "WHERE table_schema = 'eval' AND table_name = $t", {"t": RECALL_TABLE}).fetchone()[0]
-        if not exists:
-            return []
-        cursor = con.execute(f"SELECT * FROM eval.{RECALL_TABLE} ORDER BY dataset = 'all', dataset, hops NULLS LAST, "
-                             "cutoff, iteration")
-        columns = [d[0] for d in cursor.description]
-        return [dict(zip(columns, row)) for row in cursor.fetchall()]
+    return read_rows(warehouse, "eval", RECALL_TABLE,
+                     order_by="dataset = 'all', dataset, hops NULLS LAST, cutoff, iteration")
 
 
 # --------------------------------------------------------------------------- A2RAG's evaluation uses the choice

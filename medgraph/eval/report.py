@@ -25,7 +25,7 @@ from medgraph.files import write_atomically
 from medgraph.kg.shortcuts import MARGIN, ORACLE, SHORTCUTS, read_shortcuts
 from medgraph.methods.registry import ABLATIONS
 from medgraph.stats import SEPARABLE_CI_WIDTH
-from medgraph.storage import Warehouse
+from medgraph.storage import Warehouse, read_rows
 
 SUMMARY_SUFFIX = "_summary"
 STYLE = ("body{font-family:system-ui,sans-serif;max-width:1000px;margin:2em auto;padding:0 1em}"
@@ -45,18 +45,6 @@ class ReportData:
     shortcuts: list[dict[str, object]] = field(default_factory=list)  # rows of qa.qa_shortcuts
     reading: list[dict[str, object]] = field(default_factory=list)  # the reading check (`reading_check`)
     gsrm_params: dict[str, object] = field(default_factory=dict)  # models/gsrm_params.json
-
-
-def read_table(warehouse: Warehouse, table: str) -> list[dict[str, object]]:
-    """Rows of `eval.<table>` as dicts; [] when it does not exist yet."""
-    with warehouse.connect(read_only=True) as con:
-        exists = con.execute("SELECT count(*) FROM information_schema.tables WHERE table_schema = 'eval' "
-                             "AND table_name = ?", [table]).fetchone()[0]
-        if not exists:
-            return []
-        cursor = con.execute(f"SELECT * FROM eval.{table}")
-        columns = [c[0] for c in cursor.description]
-        return [dict(zip(columns, values, strict=True)) for values in cursor.fetchall()]
 
 
 def read_summaries(warehouse: Warehouse) -> list[dict[str, object]]:
@@ -518,8 +506,8 @@ def assemble(warehouse: Warehouse, lineage: Mapping[str, str],
     comparisons = paired_comparisons(results, reference, {name: spec[0] for name, spec in ABLATIONS.items()})
     if comparisons:
         write_partition(warehouse, "paired_comparisons", "all", [c.as_row() for c in comparisons])
-    claims = seed_claims(summaries, results, comparisons, read_table(warehouse, "gsrm_recall_items"),
+    claims = seed_claims(summaries, results, comparisons, read_rows(warehouse, "eval", "gsrm_recall_items"),
                          lineage.get("graph-r1 policy"))
     return ReportData(summaries, dict(lineage), {k: list(v) for k, v in (reward_curves or {}).items()},
-                      comparisons, read_table(warehouse, "gsrm_recall"), claims, reference,
+                      comparisons, read_rows(warehouse, "eval", "gsrm_recall"), claims, reference,
                       read_shortcuts(warehouse), reading_check(results), dict(gsrm_params or {}))

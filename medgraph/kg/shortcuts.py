@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import pyarrow as pa
 
-from medgraph.storage import Warehouse
+from medgraph.storage import Warehouse, read_rows
 
 SHORTCUTS = ("random", "majority", "adjacency", "name_overlap", "semantic_type")
 ORACLE = "relation_oracle"
@@ -288,14 +288,7 @@ def measure_shortcuts(warehouse: Warehouse) -> list[dict[str, object]]:
 
 def read_shortcuts(warehouse: Warehouse) -> list[dict[str, object]]:
     """The rows of `qa.qa_shortcuts`; [] before `qa/qa_items` has measured them."""
-    with warehouse.connect(read_only=True) as con:
-        exists = con.execute("SELECT count(*) FROM information_schema.tables WHERE table_schema = 'qa' "
-                             "AND table_name = ?", [TABLE]).fetchone()[0]
-        if not exists:
-            return []
-        cursor = con.execute(f"SELECT * FROM qa.{TABLE} ORDER BY dataset, split, rule")
-        columns = [c[0] for c in cursor.description]
-        return [dict(zip(columns, row)) for row in cursor.fetchall()]
+    return read_rows(warehouse, "qa", TABLE, order_by="dataset, split, rule")
 
 
 def shortcuts_markdown(rows: Sequence[Mapping[str, object]], split: str = "test") -> str:

@@ -207,10 +207,8 @@ class KnowledgeTools:
         if not wanted:
             return {}
         con = self.retriever.graph.con
-        built = con.execute("SELECT count(*) FROM information_schema.tables WHERE table_schema = $schema "
-                            "AND table_name = $table", {"schema": MENTIONS_SCHEMA, "table": MENTIONS_TABLE}).fetchone()
         found: dict[str, list[tuple[str, int, int]]] = {c: [] for c in wanted}
-        if built and built[0]:
+        if self.retriever.has_table(MENTIONS_SCHEMA, MENTIONS_TABLE):
             rows = con.execute(
                 f"SELECT chunk_id, cui, start_char, end_char FROM {MENTIONS_SCHEMA}.{MENTIONS_TABLE} "
                 "WHERE chunk_id IN (SELECT unnest($ids)) AND score >= $min_score ORDER BY chunk_id, start_char",

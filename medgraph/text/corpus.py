@@ -39,7 +39,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from tokenizers import Tokenizer
 
-from medgraph.storage import Warehouse, quote_ident, sql_literal, transaction
+from medgraph.storage import Warehouse, quote_ident, sql_literal, table_exists, transaction
 from medgraph.text.bm25 import create_bm25_index
 from medgraph.text.chunking import (
     DEFAULT_CHUNK_TOKENS,
@@ -214,9 +214,7 @@ def definition_documents(warehouse: Warehouse, batch_rows: int = 10_000) -> Iter
     scratch = warehouse.lake.scratch_path(SCHEMA, "definitions")
     try:
         with warehouse.connect(read_only=True) as con:
-            staged = con.execute("SELECT count(*) FROM information_schema.tables WHERE table_schema = 'staging' "
-                                 "AND table_name = 'stg_umls__definitions'").fetchone()[0]
-            if staged:
+            if table_exists(con, "staging", "stg_umls__definitions"):
                 sql = f"""
                     WITH definitions AS (
                         SELECT cui, definition,
@@ -444,24 +442,13 @@ def build_corpus_chunks(
     packaged = packaged_corpus() if PUBMEDQA_SOURCE in built_in else None
     if packaged is not None:
         stats.licences[packaged.source] = packaged.licence_note
-
-    def documents() -> Iterator[Document]:
-        for source in built_in:
-            if source == PUBMEDQA_SOURCE:
-                yield from packaged.documents
-            elif source == DEFINITIONS_SOURCE:
-                yield from definition_documents(warehouse)
-            else:
-                yield from node_text_documents(warehouse)
-        for corpus in files:
-            yield from read_corpus_file(corpus)
-
+    documents = _documents(warehouse, built_in, packaged, files)
     lake = warehouse.lake
     # Written locally (pyarrow) and read locally by the warehouse, then installed: on S3 only the
     # finished file crosses the network.
     staging = lake.scratch_path(SCHEMA, TABLE)
     try:
-        write_chunks(documents(), staging, encoder, chunk_tokens, overlap_tokens, stats)
+        write_chunks(documents, staging, encoder, chunk_tokens, overlap_tokens, stats)
         _check_unique_documents(staging, file_sources)
         stats.chunking_seconds = time.perf_counter() - started
         stats.index_seconds = _replace_table_and_index(warehouse, staging)
@@ -474,6 +461,20 @@ def build_corpus_chunks(
     log.info("corpus_chunks: %d documents, %d chunks, %d tokens in %.1fs (index %.1fs)",
              stats.documents, stats.chunks, stats.tokens, stats.seconds, stats.index_seconds)
     return stats
+
+
+def _documents(warehouse: Warehouse, built_in: Sequence[str], packaged: PackagedCorpus | None,
+               files: Sequence[CorpusFile]) -> Iterator[Document]:
+    """Every document of the built-in sources, in order, then of the user files: read lazily, as chunked."""
+    for source in built_in:
+        if source == PUBMEDQA_SOURCE:
+            yield from packaged.documents
+        elif source == DEFINITIONS_SOURCE:
+            yield from definition_documents(warehouse)
+        else:
+            yield from node_text_documents(warehouse)
+    for corpus in files:
+        yield from read_corpus_file(corpus)
 
 
 def _check_unique_documents(staging: Path, sources: Counter[str]) -> None:
