@@ -303,21 +303,9 @@ def embed_shard(
                        previous_filter=shard.predicate("id"))
 
 
-def _embed_into(
-    warehouse: Warehouse,
-    source_sql: str,
-    name: str,
-    out: Path | str,
-    encoder: Encoder,
-    *,
-    id_column: str,
-    text_column: str,
-    batch_size: int,
-    progress: bool,
-    reuse_from: Sequence[str] = (),
-    previous: Path | str | None = None,
-    previous_filter: str = "",
-) -> EmbedStats:
+def _embed_into(warehouse: Warehouse, source_sql: str, name: str, out: Path | str, encoder: Encoder, *,
+                id_column: str, text_column: str, batch_size: int, progress: bool, reuse_from: Sequence[str] = (),
+                previous: Path | str | None = None, previous_filter: str = "") -> EmbedStats:
     """Write the embedding rows of `source_sql` to the lake file `out` (atomically), reusing the rows of
     `previous` (default: `out` itself; `previous_filter`: only its rows matching this SQL condition) whose id,
     text and encoder are unchanged. `name` names scratch files and log lines."""
@@ -337,27 +325,9 @@ def _embed_into(
             if null_ids or distinct != rows:
                 raise ValueError(f"{name}: {id_column} must be unique and not null in the source query "
                                  f"({rows - distinct} duplicate, {null_ids} null)")
-            if lake.exists(previous):
-                where = f" WHERE {previous_filter}" if previous_filter else ""
-                con.execute(f"CREATE VIEW old AS SELECT * FROM read_parquet({sql_literal(str(previous))}){where}")
-            else:
-                con.execute("CREATE VIEW old AS SELECT id, content_hash, '' AS encoder_id, "
-                            "[]::FLOAT[] AS embedding FROM src LIMIT 0")
-            # Rows of the current table that are still exactly right: same id, text and encoder.
-            con.execute(f"CREATE VIEW reusable AS SELECT o.* FROM old AS o SEMI JOIN src AS s "
-                        f"ON o.id = s.id AND o.content_hash = s.content_hash WHERE o.encoder_id = {encoder_id}")
             donors = [lake.table_path(SCHEMA, other) for other in reuse_from
                       if other != name and lake.exists(lake.table_path(SCHEMA, other))]
-            if donors:
-                files = ", ".join(sql_literal(str(p)) for p in donors)
-                con.execute(f"CREATE VIEW donors AS SELECT content_hash, any_value(embedding) AS embedding "
-                            f"FROM read_parquet([{files}]) WHERE encoder_id = {encoder_id} GROUP BY content_hash")
-                con.execute(f"CREATE VIEW borrowed AS SELECT s.id, s.content_hash, {encoder_id} AS encoder_id, "
-                            "d.embedding FROM src AS s JOIN donors AS d USING (content_hash) "
-                            "WHERE s.id NOT IN (SELECT id FROM reusable)")
-                con.execute("CREATE VIEW kept AS SELECT * FROM reusable UNION ALL SELECT * FROM borrowed")
-            else:
-                con.execute("CREATE VIEW kept AS SELECT * FROM reusable")
+            _create_kept_view(con, previous if lake.exists(previous) else None, previous_filter, donors, encoder_id)
             reused = con.execute("SELECT count(*) FROM kept").fetchone()[0]
             removed = con.execute("SELECT count(*) FROM old ANTI JOIN src USING (id)").fetchone()[0]
             # Ties in length broken by id: which texts share a (padded, bf16) batch changes their vectors in
@@ -388,6 +358,31 @@ def _embed_into(
     return stats
 
 
+def _create_kept_view(con: duckdb.DuckDBPyConnection, previous: Path | str | None, previous_filter: str,
+                      donors: Sequence[Path | str], encoder_id: str) -> None:
+    """The views `old` (the previous table's rows, or none) and `kept`: the rows of `src` (the source) whose vector
+    can be reused as it is. From the previous table, a row still exactly right (same id, text and encoder); from a
+    donor table (`reuse_from`), a vector of the same text by the same encoder. `encoder_id` is an SQL literal."""
+    if previous is not None:
+        where = f" WHERE {previous_filter}" if previous_filter else ""
+        con.execute(f"CREATE VIEW old AS SELECT * FROM read_parquet({sql_literal(str(previous))}){where}")
+    else:
+        con.execute("CREATE VIEW old AS SELECT id, content_hash, '' AS encoder_id, "
+                    "[]::FLOAT[] AS embedding FROM src LIMIT 0")
+    con.execute(f"CREATE VIEW reusable AS SELECT o.* FROM old AS o SEMI JOIN src AS s "
+                f"ON o.id = s.id AND o.content_hash = s.content_hash WHERE o.encoder_id = {encoder_id}")
+    if not donors:
+        con.execute("CREATE VIEW kept AS SELECT * FROM reusable")
+        return
+    files = ", ".join(sql_literal(str(p)) for p in donors)
+    con.execute(f"CREATE VIEW donors AS SELECT content_hash, any_value(embedding) AS embedding "
+                f"FROM read_parquet([{files}]) WHERE encoder_id = {encoder_id} GROUP BY content_hash")
+    con.execute(f"CREATE VIEW borrowed AS SELECT s.id, s.content_hash, {encoder_id} AS encoder_id, "
+                "d.embedding FROM src AS s JOIN donors AS d USING (content_hash) "
+                "WHERE s.id NOT IN (SELECT id FROM reusable)")
+    con.execute("CREATE VIEW kept AS SELECT * FROM reusable UNION ALL SELECT * FROM borrowed")
+
+
 def merge_shards(
     warehouse: Warehouse,
     source_sql: str,
@@ -414,7 +409,6 @@ def merge_shards(
         raise ShardsNotCurrentError(f"{target}: shards {_names(missing, shards)} have no file yet", missing)
     snapshot = lake.scratch_path(SCHEMA, f"{target}.merge.source")
     staging = lake.scratch_path(SCHEMA, target)
-    number = shard_number_sql("id", shards)
     try:
         _snapshot_source(warehouse, source_sql, id_column, text_column, snapshot, with_text=False)
         with ExitStack() as stack:
@@ -424,23 +418,7 @@ def merge_shards(
             con.execute(f"CREATE VIEW src AS SELECT * FROM read_parquet({sql_literal(str(snapshot))})")
             con.execute(f"CREATE VIEW shards AS SELECT * FROM read_parquet([{files}])")
             rows = con.execute("SELECT count(*) FROM src").fetchone()[0]
-            # Per shard, on ids and hashes (not vectors): source rows absent or with another text, rows not in
-            # the source (a removed id, an old text) or there twice, rows of another encoder.
-            bad = con.execute(f"""
-                SELECT shard, sum(missing), sum(extra), sum(foreign_encoder) FROM (
-                    SELECT {number} AS shard, 1 AS missing, 0 AS extra, 0 AS foreign_encoder
-                    FROM src ANTI JOIN shards USING (id, content_hash)
-                    UNION ALL SELECT {number}, 0, 1, 0 FROM shards ANTI JOIN src USING (id, content_hash)
-                    UNION ALL SELECT {number}, 0, count(*) - 1, 0 FROM shards GROUP BY id HAVING count(*) > 1
-                    UNION ALL SELECT {number}, 0, 0, 1 FROM shards WHERE encoder_id <> {sql_literal(encoder_id)}
-                ) GROUP BY shard ORDER BY shard
-            """).fetchall()
-            if bad:
-                detail = "; ".join(f"shard {k}-of-{shards}: {m} source rows missing or changed, {x} rows not in "
-                                   f"the source or repeated, {f} from another encoder" for k, m, x, f in bad)
-                raise ShardsNotCurrentError(
-                    f"{target}: the shard files are not the current source embedded by {encoder_id} ({detail}); "
-                    f"embed shards {_names([k for k, *_ in bad], shards)} again", [k for k, *_ in bad])
+            _refuse_shards_not_current(con, target, encoder_id, shards)
             with reading_lake_file(local[0]):
                 dim = pq.read_schema(local[0]).field("embedding").type.list_size
             columns = f"id, content_hash, encoder_id, CAST(embedding AS FLOAT[{dim}]) AS embedding"
@@ -460,6 +438,28 @@ def merge_shards(
                        seconds=time.perf_counter() - started, table=f"{SCHEMA}.{target}", parquet_path=str(final))
     log.info("%s: merged %d shards, %d rows in %.1fs", stats.table, shards, rows, stats.seconds)
     return stats
+
+
+def _refuse_shards_not_current(con: duckdb.DuckDBPyConnection, target: str, encoder_id: str, shards: int) -> None:
+    """ShardsNotCurrentError naming each shard whose rows (view `shards`) are not the source's (view `src`)
+    embedded by `encoder_id`. Per shard, on ids and hashes (not vectors): source rows absent or with another
+    text, rows not in the source (a removed id, an old text) or there twice, rows of another encoder."""
+    number = shard_number_sql("id", shards)
+    bad = con.execute(f"""
+        SELECT shard, sum(missing), sum(extra), sum(foreign_encoder) FROM (
+            SELECT {number} AS shard, 1 AS missing, 0 AS extra, 0 AS foreign_encoder
+            FROM src ANTI JOIN shards USING (id, content_hash)
+            UNION ALL SELECT {number}, 0, 1, 0 FROM shards ANTI JOIN src USING (id, content_hash)
+            UNION ALL SELECT {number}, 0, count(*) - 1, 0 FROM shards GROUP BY id HAVING count(*) > 1
+            UNION ALL SELECT {number}, 0, 0, 1 FROM shards WHERE encoder_id <> {sql_literal(encoder_id)}
+        ) GROUP BY shard ORDER BY shard
+    """).fetchall()
+    if bad:
+        detail = "; ".join(f"shard {k}-of-{shards}: {m} source rows missing or changed, {x} rows not in "
+                           f"the source or repeated, {f} from another encoder" for k, m, x, f in bad)
+        raise ShardsNotCurrentError(
+            f"{target}: the shard files are not the current source embedded by {encoder_id} ({detail}); "
+            f"embed shards {_names([k for k, *_ in bad], shards)} again", [k for k, *_ in bad])
 
 
 def _names(indexes: Sequence[int], count: int) -> str:

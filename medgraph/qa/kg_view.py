@@ -194,45 +194,12 @@ class QaGraph:
         self.children = _View(self._children_of)
         self.by_tui = _View(lambda tui: self._typed_sample(None, tui))
         self.range_by_tui = _View(lambda key: self._typed_sample(*key))
-        normalize = NORMALIZE_SQL
-        con.execute(f"""
-            CREATE OR REPLACE TEMP TABLE qa_concepts AS
-            WITH names AS (
-                SELECT cui, {normalize.format('preferred_name')} AS preferred,
-                       list_transform(list_prepend(preferred_name, coalesce(synonyms, [])),
-                                      x -> {normalize.format('x')}) AS forms
-                FROM kg.kg_nodes),
-            owners AS (
-                SELECT form, count(DISTINCT cui) AS owners
-                FROM (SELECT cui, unnest(forms) AS form FROM names) WHERE form <> '' GROUP BY form),
-            links AS (
-                SELECT src_cui AS cui, dst_cui AS other FROM kg.kg_edges WHERE src_cui <> dst_cui
-                UNION ALL SELECT dst_cui, src_cui FROM kg.kg_edges WHERE src_cui <> dst_cui),
-            degrees AS (SELECT cui, count(DISTINCT other) AS degree FROM links GROUP BY cui)
-            SELECT n.cui, n.preferred IS NULL OR n.preferred = '' OR coalesce(o.owners, 0) > 1 AS ambiguous,
-                   coalesce(d.degree, 0) AS degree
-            FROM names n LEFT JOIN owners o ON o.form = n.preferred LEFT JOIN degrees d ON d.cui = n.cui
-        """)
+        _create_concept_flags(con)
         relation_rels = con.execute("SELECT relation, list(DISTINCT rel) FROM kg.kg_edges GROUP BY ALL").fetchall()
         self.relations = tuple(sorted(r for r, _ in relation_rels))
         self._arrays = _GraphArrays(con, self.relations)
         self.hierarchical = frozenset(r for r, rels in relation_rels if set(rels) <= {"PAR", "CHD", "RB", "RN"})
-        # A relation's inverse is the relation most of its edges reappear under, reversed (a DuckDB join:
-        # only one row per pair of relations comes back).
-        inverse_counts = con.execute(
-            """
-            WITH totals AS (SELECT relation, count(*) AS edges FROM kg.kg_edges GROUP BY ALL)
-            SELECT a.relation, b.relation, count(*) AS reversed, any_value(t.edges)
-            FROM kg.kg_edges a
-            JOIN kg.kg_edges b ON b.src_cui = a.dst_cui AND b.dst_cui = a.src_cui
-            JOIN totals t ON t.relation = a.relation
-            GROUP BY ALL ORDER BY a.relation, reversed DESC, b.relation
-            """
-        ).fetchall()
-        self.inverse: dict[str, str] = {}
-        for relation, reverse_relation, reversed_edges, edges in inverse_counts:
-            if relation not in self.inverse and reversed_edges * 2 >= edges:
-                self.inverse[relation] = reverse_relation
+        self.inverse = _inverse_relations(con)
 
     # ----------------------------------------------------------------- reading
 
@@ -480,3 +447,47 @@ class QaGraph:
             for synonym in self.synonyms.get(cui, ()):
                 names.setdefault(synonym, None)
         return tuple(names)
+
+
+def _create_concept_flags(con: duckdb.DuckDBPyConnection) -> None:
+    """The temp table `qa_concepts`: each concept's degree, and whether its preferred name is ambiguous (empty,
+    or a name or synonym of another concept too)."""
+    normalize = NORMALIZE_SQL
+    con.execute(f"""
+        CREATE OR REPLACE TEMP TABLE qa_concepts AS
+        WITH names AS (
+            SELECT cui, {normalize.format('preferred_name')} AS preferred,
+                   list_transform(list_prepend(preferred_name, coalesce(synonyms, [])),
+                                  x -> {normalize.format('x')}) AS forms
+            FROM kg.kg_nodes),
+        owners AS (
+            SELECT form, count(DISTINCT cui) AS owners
+            FROM (SELECT cui, unnest(forms) AS form FROM names) WHERE form <> '' GROUP BY form),
+        links AS (
+            SELECT src_cui AS cui, dst_cui AS other FROM kg.kg_edges WHERE src_cui <> dst_cui
+            UNION ALL SELECT dst_cui, src_cui FROM kg.kg_edges WHERE src_cui <> dst_cui),
+        degrees AS (SELECT cui, count(DISTINCT other) AS degree FROM links GROUP BY cui)
+        SELECT n.cui, n.preferred IS NULL OR n.preferred = '' OR coalesce(o.owners, 0) > 1 AS ambiguous,
+               coalesce(d.degree, 0) AS degree
+        FROM names n LEFT JOIN owners o ON o.form = n.preferred LEFT JOIN degrees d ON d.cui = n.cui
+    """)
+
+
+def _inverse_relations(con: duckdb.DuckDBPyConnection) -> dict[str, str]:
+    """relation -> its inverse: the relation most of its edges reappear under, reversed (a DuckDB join: only
+    one row per pair of relations comes back)."""
+    inverse_counts = con.execute(
+        """
+        WITH totals AS (SELECT relation, count(*) AS edges FROM kg.kg_edges GROUP BY ALL)
+        SELECT a.relation, b.relation, count(*) AS reversed, any_value(t.edges)
+        FROM kg.kg_edges a
+        JOIN kg.kg_edges b ON b.src_cui = a.dst_cui AND b.dst_cui = a.src_cui
+        JOIN totals t ON t.relation = a.relation
+        GROUP BY ALL ORDER BY a.relation, reversed DESC, b.relation
+        """
+    ).fetchall()
+    inverse: dict[str, str] = {}
+    for relation, reverse_relation, reversed_edges, edges in inverse_counts:
+        if relation not in inverse and reversed_edges * 2 >= edges:
+            inverse[relation] = reverse_relation
+    return inverse

@@ -381,27 +381,31 @@ def reader_examples(graph: KnowledgeGraph, items: Sequence[QaItem], config: Read
             passages, ranked = retrieved[item.qid]
             ranked_kept = [t for t in ranked if _pair(t) not in held_out]
             stats["dropped_held_out_facts"] += len(ranked) - len(ranked_kept)
-            others = [t for t in ranked_kept if fact_of(t) is None]
-            kept = with_gold_at_rank(ranked_kept if gold else others, gold, fact_of, RagKgConfig.triples_k,
-                                     layout_rng)
+            without_gold = [t for t in ranked_kept if fact_of(t) is None]
+            kept = with_gold_at_rank(ranked_kept if gold else without_gold, gold, fact_of, RagKgConfig.triples_k, layout_rng)
         if config.no_evidence_share and not yes_no and layout_rng.random() < config.no_evidence_share:
             kept, passages, withhold = [], [], True  # the retriever found nothing at all
             stats["no_evidence"] += 1
         conversation = (rag_prompt(item, passages, kept) if layout == "rag_kg"
                         else _layout_prompt(layout, item, kept, nodes, layout_rng))
-        unit = "document" if layout == "documents" else "fact"  # what the layout calls a piece of evidence
-        if withhold:
-            target = NOT_FOUND if unit == "fact" else NOT_FOUND_DOCUMENTS
-        elif has_gold:
-            target = _quoting_target(item, [t for t in kept if fact_of(t) is not None], config.answer_form,
-                                     count_tokens)
-        else:  # a "no" question: the fact it asks about is absent by design
-            target = f"No {unit} states that. {name_the_option(item, config.answer_form)}"
-        stats["gold_withheld" if withhold else "gold_shown"] += 1
-        stats[f"layout_{layout}"] += 1
+        target = _target(item, [t for t in kept if fact_of(t) is not None], layout, withhold, has_gold, config,
+                         count_tokens)
+        stats.update(["gold_withheld" if withhold else "gold_shown", f"layout_{layout}"])
         examples.append(ReaderExample(item.qid, [*conversation, assistant(target)], not withhold,
                                       frozenset(_pair(t) for t in kept), layout))
     return examples, stats
+
+
+def _target(item: QaItem, gold_shown: list[Triple], layout: str, withhold: bool, has_gold: bool,
+            config: ReaderConfig, count_tokens: Callable[[str], int]) -> str:
+    """The reply the reader learns: nothing found (gold withheld), the gold facts quoted and the option named,
+    or for a "no" question (its fact is absent by design) that no piece of evidence states it."""
+    unit = "document" if layout == "documents" else "fact"  # what the layout calls a piece of evidence
+    if withhold:
+        return NOT_FOUND if unit == "fact" else NOT_FOUND_DOCUMENTS
+    if has_gold:
+        return _quoting_target(item, gold_shown, config.answer_form, count_tokens)
+    return f"No {unit} states that. {name_the_option(item, config.answer_form)}"
 
 
 def _retrieved(tools: KnowledgeTools | None, items: Sequence[QaItem]) -> dict[str, tuple[list[Passage], list[Triple]]]:

@@ -166,35 +166,6 @@ def extract_chunk_hyperedges(warehouse: Warehouse, llm: ChatModel, *, batch_chun
     generation = GenerationConfig(max_new_tokens=max_new_tokens)
     pending: list[TextChunk] = []
 
-    def run_batch(chunks: list[TextChunk]) -> None:
-        conversations = [[system(EXTRACTION_SYSTEM), user(EXTRACTION_PROMPT.format(text=c.text[:max_text_chars]))]
-                         for c in chunks]
-        completions = llm.generate(conversations, generation)
-        edges: list[Hyperedge] = []
-        runs = []
-        for chunk, completion in zip(chunks, completions, strict=True):
-            facts = parse_facts(completion.text)
-            found = [Hyperedge(hyperedge_id(chunk.chunk_id, llm.name, i), chunk.chunk_id, fact, names,
-                               link_entities(dictionary, names), llm.name) for i, (fact, names) in enumerate(facts)]
-            edges += found
-            runs.append((chunk.chunk_id, llm.name, len(found), completion.prompt_tokens, completion.completion_tokens,
-                         not facts))
-            stats.parse_failures += not facts
-            stats.prompt_tokens += completion.prompt_tokens
-            stats.completion_tokens += completion.completion_tokens
-        # The batch's hyperedges and run rows commit together, or not at all.
-        with warehouse.connect() as con, transaction(con):
-            if edges:
-                con.executemany(f"INSERT OR REPLACE INTO {SCHEMA}.{HYPEREDGES_TABLE} VALUES (?, ?, ?, ?, ?, ?)",
-                                [(e.hyperedge_id, e.chunk_id, e.relation_text, e.entities, e.cuis, e.model)
-                                 for e in edges])
-            con.executemany(f"INSERT OR REPLACE INTO {SCHEMA}.{RUNS_TABLE} VALUES (?, ?, ?, ?, ?, ?, now())", runs)
-        stats.chunks_extracted += len(chunks)
-        stats.hyperedges += len(edges)
-        stats.hyperedges_linked += sum(len(e.cuis) >= 2 for e in edges)
-        log.info("chunk hyperedges: %d chunks done, %d hyperedges, %d prompt + %d completion tokens",
-                 stats.chunks_extracted, stats.hyperedges, stats.prompt_tokens, stats.completion_tokens)
-
     for batch in read_chunks(warehouse.lake):
         for chunk in batch:
             stats.chunks_total += 1
@@ -205,10 +176,10 @@ def extract_chunk_hyperedges(warehouse: Warehouse, llm: ChatModel, *, batch_chun
                 continue
             pending.append(chunk)
             if len(pending) == batch_chunks:
-                run_batch(pending)
+                _extract_batch(warehouse, llm, dictionary, pending, generation, max_text_chars, stats)
                 pending = []
     if pending:
-        run_batch(pending)
+        _extract_batch(warehouse, llm, dictionary, pending, generation, max_text_chars, stats)
     _publish(warehouse)
     with warehouse.connect(read_only=True) as con:
         stats.hyperedges_in_table = con.execute(f"SELECT count(*) FROM {SCHEMA}.{HYPEREDGES_TABLE}").fetchone()[0]
@@ -216,6 +187,38 @@ def extract_chunk_hyperedges(warehouse: Warehouse, llm: ChatModel, *, batch_chun
                                 + stats.completion_tokens / 1000 * completion_usd_per_1k, 6)
     stats.seconds = time.perf_counter() - started
     return stats
+
+
+def _extract_batch(warehouse: Warehouse, llm: ChatModel, dictionary: ConceptDictionary, chunks: list[TextChunk],
+                   generation: GenerationConfig, max_text_chars: int, stats: ExtractionStats) -> None:
+    """One LLM call for a batch of chunks; their hyperedges and run rows are written together, counted in `stats`."""
+    conversations = [[system(EXTRACTION_SYSTEM), user(EXTRACTION_PROMPT.format(text=c.text[:max_text_chars]))]
+                     for c in chunks]
+    completions = llm.generate(conversations, generation)
+    edges: list[Hyperedge] = []
+    runs = []
+    for chunk, completion in zip(chunks, completions, strict=True):
+        facts = parse_facts(completion.text)
+        found = [Hyperedge(hyperedge_id(chunk.chunk_id, llm.name, i), chunk.chunk_id, fact, names,
+                           link_entities(dictionary, names), llm.name) for i, (fact, names) in enumerate(facts)]
+        edges += found
+        runs.append((chunk.chunk_id, llm.name, len(found), completion.prompt_tokens, completion.completion_tokens,
+                     not facts))
+        stats.parse_failures += not facts
+        stats.prompt_tokens += completion.prompt_tokens
+        stats.completion_tokens += completion.completion_tokens
+    # The batch's hyperedges and run rows commit together, or not at all.
+    with warehouse.connect() as con, transaction(con):
+        if edges:
+            con.executemany(f"INSERT OR REPLACE INTO {SCHEMA}.{HYPEREDGES_TABLE} VALUES (?, ?, ?, ?, ?, ?)",
+                            [(e.hyperedge_id, e.chunk_id, e.relation_text, e.entities, e.cuis, e.model)
+                             for e in edges])
+        con.executemany(f"INSERT OR REPLACE INTO {SCHEMA}.{RUNS_TABLE} VALUES (?, ?, ?, ?, ?, ?, now())", runs)
+    stats.chunks_extracted += len(chunks)
+    stats.hyperedges += len(edges)
+    stats.hyperedges_linked += sum(len(e.cuis) >= 2 for e in edges)
+    log.info("chunk hyperedges: %d chunks done, %d hyperedges, %d prompt + %d completion tokens",
+             stats.chunks_extracted, stats.hyperedges, stats.prompt_tokens, stats.completion_tokens)
 
 
 def _publish(warehouse: Warehouse) -> None:

@@ -13,6 +13,7 @@ import gzip
 import logging
 import re
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -208,14 +209,48 @@ def ingest_rrf_file(
     return publish_table(warehouse, staged)
 
 
-def stage_rrf_file(
-    release_dir: str | Path,
-    rrf: RrfLayout | str,
-    warehouse: Warehouse,
-    filters: IngestFilters | None = None,
-    quarantine: bool = False,
-    check_mrfiles: bool = True,
-) -> StagedTable:
+def _validate_rows(con: duckdb.DuckDBPyConnection, source: RrfSource, predicates: Sequence[tuple[str, str]],
+                   quarantine: bool) -> tuple[int, list[RejectedRow], dict[str, int], int]:
+    """Pass 1 over a source's files: every row validated (typed columns included, so a bad integer is caught
+    here) and what each filter keeps counted. (rows in, malformed rows, rows kept after each filter, rows to
+    write); a malformed row raises RrfFormatError naming the first, unless `quarantine`."""
+    layout = source.layout
+    kept_so_far = "TRUE"
+    counts = ["count(*)", f"count(*) FILTER (WHERE {_TRAILING} IS NOT NULL)"]
+    for _, condition in predicates:
+        kept_so_far = f"{kept_so_far} AND ({condition})"
+        counts.append(f"count(*) FILTER (WHERE {_TRAILING} IS NULL AND {kept_so_far})")
+    typed = [c for c in layout.columns if c in INTEGER_COLUMNS.get(layout.name, ())]
+    counts += [f"count({quote_ident(c)})" for c in typed]
+    # fetchall, not fetchone: DuckDB writes the rejects tables when the result is exhausted.
+    totals = con.execute(f"SELECT {', '.join(counts)} FROM {_read_csv_sql(source, rejects=True)}").fetchall()[0]
+    parsed, trailing_bad = totals[0], totals[1]
+    rejected = _reader_rejects(con, len(layout.columns))
+    if trailing_bad:
+        rejected += _malformed_trailing_rows(source, limit=trailing_bad)
+    if rejected and not quarantine:
+        first = min(rejected, key=lambda r: (source.paths.index(Path(r.path)), r.line))
+        raise RrfFormatError(Path(first.path), first.line, first.error, rejected=len(rejected))
+    kept_after = {name: totals[2 + i] for i, (name, _) in enumerate(predicates)}
+    expected_out = kept_after[predicates[-1][0]] if predicates else parsed - trailing_bad
+    return parsed + len(rejected) - trailing_bad, rejected, kept_after, expected_out
+
+
+def _write_kept_rows(con: duckdb.DuckDBPyConnection, source: RrfSource, predicates: Sequence[tuple[str, str]],
+                     staging: Path | str, fingerprint: str) -> int:
+    """Pass 2: stream the well-formed rows every filter keeps into the Parquet file `staging`; how many."""
+    select_columns = ", ".join(quote_ident(c) for c in source.layout.columns)
+    where = " AND ".join([f"{_TRAILING} IS NULL"] + [f"({c})" for _, c in predicates])
+    return con.execute(
+        f"COPY (SELECT {select_columns} FROM {_read_csv_sql(source, rejects=True)} WHERE {where}) "
+        f"TO {sql_literal(str(staging))} (FORMAT parquet, {_PARQUET_OPTIONS}, "
+        f"KV_METADATA {{{RRF_FINGERPRINT_KEY}: {sql_literal(fingerprint)}}})"
+    ).fetchall()[0][0]
+
+
+def stage_rrf_file(release_dir: str | Path, rrf: RrfLayout | str, warehouse: Warehouse,
+                   filters: IngestFilters | None = None, quarantine: bool = False,
+                   check_mrfiles: bool = True) -> StagedTable:
     """Parse, validate and filter one META file into a staging Parquet file and run the blocking checks on
     it; nothing is published (the view and the table's files are untouched).
 
@@ -243,39 +278,12 @@ def stage_rrf_file(
     lake: Lake | S3Lake = warehouse.lake
 
     with warehouse.scratch() as con:
-        # Pass 1: validate every row (typed columns included, so a bad integer
-        # is caught here) and count what each filter keeps.
-        kept_so_far = "TRUE"
-        counts = ["count(*)", f"count(*) FILTER (WHERE {_TRAILING} IS NOT NULL)"]
-        for _, condition in predicates:
-            kept_so_far = f"{kept_so_far} AND ({condition})"
-            counts.append(f"count(*) FILTER (WHERE {_TRAILING} IS NULL AND {kept_so_far})")
-        typed = [c for c in layout.columns if c in INTEGER_COLUMNS.get(layout.name, ())]
-        counts += [f"count({quote_ident(c)})" for c in typed]
-        # fetchall, not fetchone: DuckDB writes the rejects tables when the result is exhausted.
-        totals = con.execute(f"SELECT {', '.join(counts)} FROM {_read_csv_sql(source, rejects=True)}").fetchall()[0]
-        parsed, trailing_bad = totals[0], totals[1]
-        rejected = _reader_rejects(con, len(layout.columns))
-        if trailing_bad:
-            rejected += _malformed_trailing_rows(source, limit=trailing_bad)
-        rows_in = parsed + len(rejected) - trailing_bad
-        if rejected and not quarantine:
-            first = min(rejected, key=lambda r: (source.paths.index(Path(r.path)), r.line))
-            raise RrfFormatError(Path(first.path), first.line, first.error, rejected=len(rejected))
-        kept_after = {name: totals[2 + i] for i, (name, _) in enumerate(predicates)}
-        expected_out = kept_after[predicates[-1][0]] if predicates else parsed - trailing_bad
+        rows_in, rejected, kept_after, expected_out = _validate_rows(con, source, predicates, quarantine)
 
-        # Pass 2: stream the kept rows into a staging file beside the table.
         staging = lake.staging_path(SCHEMA, layout.table)
         rejects_staging = None
         try:
-            select_columns = ", ".join(quote_ident(c) for c in layout.columns)
-            where = " AND ".join([f"{_TRAILING} IS NULL"] + [f"({c})" for _, c in predicates])
-            written = con.execute(
-                f"COPY (SELECT {select_columns} FROM {_read_csv_sql(source, rejects=True)} WHERE {where}) "
-                f"TO {sql_literal(str(staging))} (FORMAT parquet, {_PARQUET_OPTIONS}, "
-                f"KV_METADATA {{{RRF_FINGERPRINT_KEY}: {sql_literal(fingerprint)}}})"
-            ).fetchall()[0][0]
+            written = _write_kept_rows(con, source, predicates, staging, fingerprint)
             if written != expected_out:
                 raise RuntimeError(f"{layout.filename}: wrote {written} rows, validation pass kept {expected_out}")
             # The blocking checks run on the staged file, before it replaces anything (an empty MRREL or
@@ -288,20 +296,10 @@ def stage_rrf_file(
             if rejects_staging is not None:
                 lake.discard(rejects_staging)
             raise
-    stats = IngestStats(
-        table=layout.table,
-        files=[p.name for p in source.paths],
-        rows_in=rows_in,
-        kept_after=kept_after,
-        rows_out=written,
-        rejected=len(rejected),
-        bytes_in=source.bytes,
-        parquet_bytes=0,
-        seconds=time.perf_counter() - started,
-        parquet_path="",
-        filters=filters.as_metadata(),
-        completeness=completeness.describe(),
-    )
+    stats = IngestStats(table=layout.table, files=[p.name for p in source.paths], rows_in=rows_in,
+                        kept_after=kept_after, rows_out=written, rejected=len(rejected), bytes_in=source.bytes,
+                        parquet_bytes=0, seconds=time.perf_counter() - started, parquet_path="",
+                        filters=filters.as_metadata(), completeness=completeness.describe())
     log.info("%s: %d rows in, %d kept, %d rejected in %.1fs (staged)", layout.filename, rows_in, written,
              len(rejected), stats.seconds)
     return StagedTable(layout, staging, rejects_staging, stats, fingerprint, outcomes)

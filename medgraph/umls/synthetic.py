@@ -87,6 +87,37 @@ def _copy_rrf(con: duckdb.DuckDBPyConnection, select_sql: str, layout: RrfLayout
     )
 
 
+def _mrrel_sql(mrrel_rows: int, n_concepts: int, n_atoms: int, sab_list: str, cui: str, aui: str) -> str:
+    """The MRREL rows' SELECT.
+
+    Relations come in inverse pairs (row 2j and 2j+1), as UMLS lists them. Family j % 4: a CHD/PAR
+    hierarchy that is a DAG of depth ~log3(concepts) (a parent's index is about a third of its child's),
+    and three associative relations whose objects are drawn with a heavy tail (index n * u^3: a few
+    low-index concepts are hubs with thousands of neighbours, most have a handful).
+    """
+    return f"""
+        WITH pairs AS (
+            SELECT i, i // 2 AS j, i % 2 = 1 AS reverse, (i // 2) % 4 AS family,
+                   hash(i // 2) % {n_concepts} AS a,
+                   CASE WHEN (i // 2) % 4 = 0
+                        THEN (hash(i // 2) % {n_concepts}) // 3 + hash(i // 2 + 7) % 2
+                        ELSE CAST(floor({n_concepts} * pow((hash(i // 2 + 1) % 1000003) / 1000003.0, 3)) AS BIGINT)
+                   END AS b
+            FROM range({mrrel_rows}) t(i))
+        SELECT {cui.format(expr='CASE WHEN family = 0 THEN (CASE WHEN reverse THEN a ELSE b END) '
+                               'ELSE (CASE WHEN reverse THEN b ELSE a END) END')},
+               {aui.format(expr=f'i % {n_atoms}')}, 'AUI',
+               CASE WHEN family = 0 THEN (CASE WHEN reverse THEN 'PAR' ELSE 'CHD' END) ELSE 'RO' END,
+               {cui.format(expr='CASE WHEN family = 0 THEN (CASE WHEN reverse THEN b ELSE a END) '
+                               'ELSE (CASE WHEN reverse THEN a ELSE b END) END')},
+               {aui.format(expr=f'(i * 7) % {n_atoms}')}, 'AUI',
+               [['isa', 'inverse_isa'], ['may_treat', 'may_be_treated_by'], ['has_finding_site', 'finding_site_of'],
+                ['has_part', 'part_of']][1 + family][1 + CAST(reverse AS INTEGER)],
+               'R' || lpad(CAST(i AS VARCHAR), 9, '0'), '', {sab_list}[1 + j % {len(_SABS)}],
+               {sab_list}[1 + j % {len(_SABS)}], '', 'Y', CASE WHEN j % 97 = 0 THEN 'E' ELSE 'N' END, '', ''
+        FROM pairs"""
+
+
 def write_synthetic_release(out_dir: str | Path, mrrel_rows: int, seed: int = 0) -> Path:
     """Write MRCONSO/MRREL/MRSTY/MRDEF/MRSAB with `mrrel_rows` relations.
 
@@ -111,31 +142,7 @@ def write_synthetic_release(out_dir: str | Path, mrrel_rows: int, seed: int = 0)
                {_name_sql('i')}, CAST([{', '.join(map(str, _SRLS))}][1 + i % {len(_SRLS)}] AS VARCHAR),
                CASE WHEN i % 50 = 0 THEN 'O' ELSE 'N' END, '256', ''
         FROM range({n_atoms}) t(i)""", MRCONSO, out)
-    # Relations come in inverse pairs (row 2j and 2j+1), as UMLS lists them. Family j % 4: a CHD/PAR
-    # hierarchy that is a DAG of depth ~log3(concepts) (a parent's index is about a third of its child's),
-    # and three associative relations whose objects are drawn with a heavy tail (index n * u^3: a few
-    # low-index concepts are hubs with thousands of neighbours, most have a handful).
-    _copy_rrf(con, f"""
-        WITH pairs AS (
-            SELECT i, i // 2 AS j, i % 2 = 1 AS reverse, (i // 2) % 4 AS family,
-                   hash(i // 2) % {n_concepts} AS a,
-                   CASE WHEN (i // 2) % 4 = 0
-                        THEN (hash(i // 2) % {n_concepts}) // 3 + hash(i // 2 + 7) % 2
-                        ELSE CAST(floor({n_concepts} * pow((hash(i // 2 + 1) % 1000003) / 1000003.0, 3)) AS BIGINT)
-                   END AS b
-            FROM range({mrrel_rows}) t(i))
-        SELECT {cui.format(expr='CASE WHEN family = 0 THEN (CASE WHEN reverse THEN a ELSE b END) '
-                               'ELSE (CASE WHEN reverse THEN b ELSE a END) END')},
-               {aui.format(expr=f'i % {n_atoms}')}, 'AUI',
-               CASE WHEN family = 0 THEN (CASE WHEN reverse THEN 'PAR' ELSE 'CHD' END) ELSE 'RO' END,
-               {cui.format(expr='CASE WHEN family = 0 THEN (CASE WHEN reverse THEN b ELSE a END) '
-                               'ELSE (CASE WHEN reverse THEN a ELSE b END) END')},
-               {aui.format(expr=f'(i * 7) % {n_atoms}')}, 'AUI',
-               [['isa', 'inverse_isa'], ['may_treat', 'may_be_treated_by'], ['has_finding_site', 'finding_site_of'],
-                ['has_part', 'part_of']][1 + family][1 + CAST(reverse AS INTEGER)],
-               'R' || lpad(CAST(i AS VARCHAR), 9, '0'), '', {sab_list}[1 + j % {len(_SABS)}],
-               {sab_list}[1 + j % {len(_SABS)}], '', 'Y', CASE WHEN j % 97 = 0 THEN 'E' ELSE 'N' END, '', ''
-        FROM pairs""", MRREL, out)
+    _copy_rrf(con, _mrrel_sql(mrrel_rows, n_concepts, n_atoms, sab_list, cui, aui), MRREL, out)
     _copy_rrf(con, f"""
         SELECT {cui.format(expr='i')}, ['T047', 'T184', 'T121', 'T028'][1 + i % 4], 'B2.2.1.2.1',
                ['Disease or Syndrome', 'Sign or Symptom', 'Pharmacologic Substance', 'Gene or Genome'][1 + i % 4],
