@@ -306,15 +306,28 @@ def _html_paragraphs(text: str) -> str:
     return "</p><p>".join(escaped.split("\n\n"))
 
 
-def build_report(data: ReportData, out_dir: Path) -> dict[str, Path]:
-    """Write `report.md` and `report.html` (plus the PNGs beside the Markdown) atomically."""
-    out_dir.mkdir(parents=True, exist_ok=True)
-    summaries = data.summaries
-    sections: list[tuple[str, str, str, str | None]] = []  # title, markdown, html, png (base64)
+Section = tuple[str, str, str, str | None]  # title, markdown, html, png (base64)
 
+
+def build_report(data: ReportData, out_dir: Path) -> dict[str, Path]:
+    """Write `report.md` and `report.html` (plus the PNGs beside the Markdown) atomically, section by section."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    builders = (_separation_sections, _shortcuts_sections, _accuracy_sections, _evidence_sections,
+                _comparisons_sections, _gsrm_sections, _claims_sections, _cost_sections, _lineage_sections)
+    return _write_report([section for build in builders for section in build(data)], out_dir)
+
+
+def _separation_sections(data: ReportData) -> list[Section]:
+    """Whether this run's sample sizes can separate anything (a CI wider than 0.2 cannot)."""
+    sections: list[Section] = []
     note = _sample_size_note(data.comparisons)
     sections.append(("Can this run separate the methods?", note, f"<p>{_html_paragraphs(note)}</p>", None))
+    return sections
 
+
+def _shortcuts_sections(data: ReportData) -> list[Section]:
+    """What no-LLM shortcuts score per dataset and split, against chance and the relation-aware oracle."""
+    sections: list[Section] = []
     if data.shortcuts:
         header = ["dataset", "split", "n", *SHORTCUTS, f"{ORACLE} (ceiling)"]
         table_rows = []
@@ -325,7 +338,13 @@ def build_report(data: ReportData, out_dir: Path) -> dict[str, Path]:
         md, tab = _table(header, table_rows)
         sections.append((f"Can structure alone answer the KG questions? (no-LLM shortcuts; the blocking check keeps "
                          f"each within chance + {MARGIN:.2f} on test; `random` is chance)", md, tab, None))
+    return sections
 
+
+def _accuracy_sections(data: ReportData) -> list[Section]:
+    """Accuracy per method and dataset, with parse failures, truncations and answers asked again."""
+    sections: list[Section] = []
+    summaries = data.summaries
     rows = [(s["method"], s["dataset"], s["questions"], float(s["accuracy"]), float(s["accuracy_se"]),
              float(s["parse_failure_rate"]), _number(s.get("truncation_rate")), _number(s.get("answer_retry_rate")),
              float(s["mean_f1"]))
@@ -333,7 +352,14 @@ def build_report(data: ReportData, out_dir: Path) -> dict[str, Path]:
     md, tab = _table(["method", "dataset", "n", "accuracy", "s.e.", "parse failures", "truncated",
                       "asked again (no readable answer)", "F1"], rows)
     sections.append(("Accuracy per method and dataset", md, tab, accuracy_plot(summaries) if summaries else None))
+    return sections
 
+
+def _evidence_sections(data: ReportData) -> list[Section]:
+    """What the answering call was shown (evidence), whether the reader used it (reading check), and PubMedQA's
+    own-document recall."""
+    sections: list[Section] = []
+    summaries = data.summaries
     evidence = [(s["method"], s["dataset"], int(_number(s.get("gold_fact_seen_n"))),
                  _number(s.get("gold_fact_seen")), _number(s.get("gold_fact_seen_se")),
                  _number(s.get("gold_fact_top10")), _number(s.get("gold_fact_top10_se")),
@@ -365,7 +391,14 @@ def build_report(data: ReportData, out_dir: Path) -> dict[str, Path]:
         title = ("Gold-document recall (a chunk of the question's own abstract among the passages shown; "
                  "recall@k for rag)")
         sections.append((title, md, tab, None))
+    return sections
 
+
+def _comparisons_sections(data: ReportData) -> list[Section]:
+    """Paired differences: each method against the reference, each adapted reader against the base reader, each
+    ablation against its method."""
+    sections: list[Section] = []
+    summaries = data.summaries
     versus = [c for c in data.comparisons if c.kind == "method"]
     if versus:
         md, tab = _table(["method", "reference", "dataset", "metric", "n", "method", "reference", "difference",
@@ -391,7 +424,12 @@ def build_report(data: ReportData, out_dir: Path) -> dict[str, Path]:
                           "95% CI", "McNemar p", "verdict"], ablations)
         forest = forest_plot([c for c in data.comparisons if c.kind == "ablation" and c.metric == "correct"])
         sections.append(("Ablations (paired with the full method)", md, tab, forest))
+    return sections
 
+
+def _gsrm_sections(data: ReportData) -> list[Section]:
+    """GSRM's recall per refinement iteration on test, and the parameters tuned per question type on validation."""
+    sections: list[Section] = []
     if data.gsrm_recall:
         md, tab = _table(["dataset", "hops", "iteration k", "cutoff", "recall", "s.e.", "n", "tau", "N"],
                          [(r["dataset"], "1+2" if r["hops"] is None else r["hops"], r["iteration"], r["cutoff"],
@@ -413,12 +451,23 @@ def build_report(data: ReportData, out_dir: Path) -> dict[str, Path]:
                              data.gsrm_params.get("note", ""))])
         sections.append(("GSRM parameters chosen per question type (validation; A2RAG uses its item's type's)", md,
                          tab, None))
+    return sections
 
+
+def _claims_sections(data: ReportData) -> list[Section]:
+    """The seed papers' claims with what this run measured."""
+    sections: list[Section] = []
     if data.claims:
         md, tab = _table(["claim", "seed", "measured here", "95% CI", "n", "verdict"],
                          [c.as_row() for c in data.claims])
         sections.append(("Seed claims vs this platform", md, tab, None))
+    return sections
 
+
+def _cost_sections(data: ReportData) -> list[Section]:
+    """Latency and tokens, each method's decision shares and statistics, and the GRPO curve."""
+    sections: list[Section] = []
+    summaries = data.summaries
     # "computed": the prompt tokens the model ran; a prefix cache served the rest of those sent.
     cost = [(s["method"], s["dataset"], float(s["prompt_tokens"]),
              float(s.get("prompt_tokens_computed") or s["prompt_tokens"]), float(s["completion_tokens"]),
@@ -448,10 +497,19 @@ def build_report(data: ReportData, out_dir: Path) -> dict[str, Path]:
         last = [(name, points[-1][0], points[-1][1]) for name, points in data.reward_curves.items() if points]
         md, tab = _table(["metric", "last step", "value"], last)
         sections.append(("GRPO reward curve", md, tab, curve))
+    return sections
 
+
+def _lineage_sections(data: ReportData) -> list[Section]:
+    """Which data and model versions the report read."""
+    sections: list[Section] = []
     md, tab = _table(["what", "value"], sorted(data.lineage.items()))
     sections.append(("Lineage", md, tab, None))
+    return sections
 
+
+def _write_report(sections: Sequence[Section], out_dir: Path) -> dict[str, Path]:
+    """`report.md` with its PNGs beside it and a self-contained `report.html`, written atomically."""
     markdown = ["# MedGraph evaluation report", ""]
     page = ["<!doctype html><html><head><meta charset='utf-8'><title>MedGraph evaluation report</title>",
             f"<style>{STYLE}</style></head><body>", "<h1>MedGraph evaluation report</h1>"]
