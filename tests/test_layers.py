@@ -180,7 +180,7 @@ def test_the_catalog_is_asked_in_one_place():
 # Functions still over a screen, each to be split by what its parts do (issue 57); the list only shrinks: a
 # new long function fails, and so does one that got shorter but is still listed.
 LONG_FUNCTIONS_LEFT = {
-    "medgraph/gnn/train.py::_fit_gat", "medgraph/rl/grpo.py::train_grpo", "medgraph/umls/sample_release.py::_build_rows",
+    "medgraph/rl/grpo.py::train_grpo", "medgraph/umls/sample_release.py::_build_rows",
 }
 
 

@@ -486,12 +486,75 @@ def fit_gat(data: PreparedGraph, features: Tensor, config: GatConfig,
         return _fit_gat(data, features, config, checkpoint_dir, resume, log_fn)
 
 
-def _fit_gat(data: PreparedGraph, features: Tensor, config: GatConfig, checkpoint_dir: str | Path | None,
-             resume: bool, log_fn: LogFn | None) -> GatResult:
+def _check_inputs(data: PreparedGraph, features: Tensor, config: GatConfig) -> None:
     if features.shape[0] != data.num_nodes:
         raise ValueError(f"features have {features.shape[0]} rows for {data.num_nodes} nodes")
     if len(config.fanouts) != config.layers:
         raise ValueError(f"one fanout per GAT layer: {config.layers} layers, fanouts {config.fanouts}")
+
+
+def _timings(state: dict, started: float, prepared: float, trained: float) -> dict[str, float]:
+    """Seconds of setup, training and evaluation (to now), and the training edges per second."""
+    finished = time.perf_counter()
+    return {"setup_seconds": prepared - started, "train_seconds": state["train_seconds"],
+            "eval_seconds": finished - trained, "total_seconds": finished - started,
+            "edges_per_second": state["edges_seen"] / max(state["train_seconds"], 1e-9)}
+
+
+def _epoch_batches(state: dict, train_edges: int, config: GatConfig, device: torch.device) -> Iterator[Tensor]:
+    """The rest of the current epoch's batches, as rows of the training edges. The batch order depends on (seed,
+    epoch) only: a run resumed mid-epoch sees the same batches."""
+    epoch, steps_per_epoch = state["epoch"], config.steps_per_epoch or math.ceil(train_edges / config.batch_size)
+    order = torch.randperm(train_edges, generator=torch.Generator().manual_seed(config.seed * 100_003 + epoch))
+    order = order.to(device)
+    for i in tqdm(range(state["step_in_epoch"], steps_per_epoch), desc=f"gat epoch {epoch}", unit="step",
+                  initial=state["step_in_epoch"], total=steps_per_epoch, disable=not config.progress):
+        batch = torch.arange(i * config.batch_size, (i + 1) * config.batch_size, device=device)
+        yield order[batch % train_edges]
+
+
+def _count_step(state: dict, loss: float, step_started: float, config: GatConfig) -> None:
+    state["train_seconds"] += time.perf_counter() - step_started
+    state["edges_seen"] += config.batch_size
+    state["epoch_loss"] += loss
+    state["epoch_steps"] += 1
+    state["step"] += 1
+    state["step_in_epoch"] += 1
+
+
+def _end_epoch(state: dict, model: GatModel, valid_auc: float, epoch_started: float, config: GatConfig) -> dict:
+    """Record an epoch's validation ROC-AUC in `state`: keep the best weights, stop after `patience` epochs
+    without a gain, and move to the next epoch. The epoch's history record."""
+    epoch = state["epoch"]
+    record = {"epoch": epoch, "step": state["step"], "train_loss": state["epoch_loss"] / max(state["epoch_steps"], 1),
+              "valid_roc_auc": valid_auc, "seconds": time.perf_counter() - epoch_started}
+    state["history"].append(record)
+    if valid_auc > state["best_auc"]:
+        state.update(best_auc=valid_auc, best_epoch=epoch, bad_epochs=0,
+                     best_model={k: v.detach().cpu().clone() for k, v in model.state_dict().items()})
+    else:
+        state["bad_epochs"] += 1
+        state["stopped"] = state["bad_epochs"] >= config.patience
+    state.update(epoch=epoch + 1, step_in_epoch=0, epoch_loss=0.0, epoch_steps=0)
+    log.info("gat epoch %d: loss %.4f, valid ROC-AUC %.4f (best %.4f at epoch %d)%s", epoch, record["train_loss"],
+             valid_auc, state["best_auc"], state["best_epoch"], ", early stop" if state["stopped"] else "")
+    return record
+
+
+def _final_metrics(model: GatModel, sampler: NeighborSampler, features: Tensor, valid: Tensor, test: Tensor,
+                   known: Tensor, config: GatConfig, amp_dtype: torch.dtype | None) -> dict[str, float]:
+    """Validation and test metrics of the model: the threshold is chosen on validation, then applied to test."""
+    valid_scores = evaluate(model, sampler, features, valid, known, config, config.seed + 1, amp_dtype)
+    test_scores = evaluate(model, sampler, features, test, known, config, config.seed + 2, amp_dtype)
+    threshold = best_threshold(valid_scores["positive"], valid_scores["negative"])
+    metrics = {f"valid_{k}": v for k, v in split_metrics(valid_scores, threshold, True).items()}
+    metrics.update({f"test_{k}": v for k, v in split_metrics(test_scores, threshold, True).items()})
+    return {**metrics, "threshold": threshold}
+
+
+def _fit_gat(data: PreparedGraph, features: Tensor, config: GatConfig, checkpoint_dir: str | Path | None,
+             resume: bool, log_fn: LogFn | None) -> GatResult:
+    _check_inputs(data, features, config)
     started = time.perf_counter()
     device = pick_device(config.device)
     amp_dtype = _amp_dtype(device, config.amp)
@@ -499,7 +562,6 @@ def _fit_gat(data: PreparedGraph, features: Tensor, config: GatConfig, checkpoin
     sampler = NeighborSampler(data.message_passing.to(device), config.fanouts, config.sampler)
     known = data.known.to(device)
     train, valid, test = data.train.to(device), data.valid.to(device), data.test.to(device)
-
     torch.manual_seed(config.seed)
     model = GatModel(features.shape[1], data.num_relations, config.hidden, config.heads, config.layers,
                      config.dropout, config.edge_dim).to(device)
@@ -513,82 +575,43 @@ def _fit_gat(data: PreparedGraph, features: Tensor, config: GatConfig, checkpoin
     state = _new_state()
     checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir else None
     if checkpoint_dir and resume and (checkpoint_dir / "last.pt").exists():
-        state = _load_checkpoint(checkpoint_dir / "last.pt", model, optimizer, scaler, generator, config,
-                                 data)
+        state = _load_checkpoint(checkpoint_dir / "last.pt", model, optimizer, scaler, generator, config, data)
 
     def checkpoint() -> None:
         if checkpoint_dir:
             _save_checkpoint(checkpoint_dir, state, model, optimizer, scaler, generator, config, data)
 
-    steps_per_epoch = config.steps_per_epoch or math.ceil(len(train) / config.batch_size)
     prepared = time.perf_counter()
     model.train()
     while state["epoch"] < config.epochs and not state["stopped"]:
-        epoch, epoch_started = state["epoch"], time.perf_counter()
-        # The batch order depends on (seed, epoch) only: a run resumed mid-epoch sees the same batches.
-        epoch_generator = torch.Generator().manual_seed(config.seed * 100_003 + epoch)
-        order = torch.randperm(len(train), generator=epoch_generator).to(device)
-        for i in tqdm(range(state["step_in_epoch"], steps_per_epoch), desc=f"gat epoch {epoch}", unit="step",
-                      initial=state["step_in_epoch"], total=steps_per_epoch, disable=not config.progress):
+        epoch_started = time.perf_counter()
+        for rows in _epoch_batches(state, len(train), config, device):
             step_started = time.perf_counter()
-            batch = torch.arange(i * config.batch_size, (i + 1) * config.batch_size, device=device)
-            rows = order[batch % len(train)]
-            loss = _train_step(model, optimizer, scaler, sampler, features, train[rows], known, config,
-                               generator, amp_dtype)
-            state["train_seconds"] += time.perf_counter() - step_started
-            state["edges_seen"] += config.batch_size
-            state["epoch_loss"] += loss
-            state["epoch_steps"] += 1
-            state["step"] += 1
-            state["step_in_epoch"] = i + 1
+            loss = _train_step(model, optimizer, scaler, sampler, features, train[rows], known, config, generator,
+                               amp_dtype)
+            _count_step(state, loss, step_started, config)
             if config.checkpoint_every and state["step"] % config.checkpoint_every == 0:
                 checkpoint()
             if log_fn and state["step"] % config.log_every == 0:
                 train_loss = state["epoch_loss"] / state["epoch_steps"]
-                log_fn(state["step"], {"train_loss": train_loss, "epoch": epoch})
-
-        # Validation ROC-AUC after each epoch: keep the best weights; stop after `patience` epochs without gain.
-        scores = evaluate(model, sampler, features, valid, known, config, config.seed + 1, amp_dtype,
-                          ranking=False)
-        record = {"epoch": epoch, "step": state["step"],
-                  "train_loss": state["epoch_loss"] / max(state["epoch_steps"], 1),
-                  "valid_roc_auc": roc_auc(scores["positive"], scores["negative"]),
-                  "seconds": time.perf_counter() - epoch_started}
-        state["history"].append(record)
-        if record["valid_roc_auc"] > state["best_auc"]:
-            state.update(best_auc=record["valid_roc_auc"], best_epoch=epoch, bad_epochs=0,
-                         best_model={k: v.detach().cpu().clone() for k, v in model.state_dict().items()})
-        else:
-            state["bad_epochs"] += 1
-            state["stopped"] = state["bad_epochs"] >= config.patience
-        state.update(epoch=epoch + 1, step_in_epoch=0, epoch_loss=0.0, epoch_steps=0)
-        log.info("gat epoch %d: loss %.4f, valid ROC-AUC %.4f (best %.4f at epoch %d)%s", epoch,
-                 record["train_loss"], record["valid_roc_auc"], state["best_auc"], state["best_epoch"],
-                 ", early stop" if state["stopped"] else "")
+                log_fn(state["step"], {"train_loss": train_loss, "epoch": state["epoch"]})
+        scores = evaluate(model, sampler, features, valid, known, config, config.seed + 1, amp_dtype, ranking=False)
+        record = _end_epoch(state, model, roc_auc(scores["positive"], scores["negative"]), epoch_started, config)
         checkpoint()
         if log_fn:
             log_fn(state["step"], {k: v for k, v in record.items() if k != "step"})
 
-    # Final metrics of the best weights: the threshold is chosen on validation, then applied to test.
     trained = time.perf_counter()
     if state["best_model"] is not None:
         model.load_state_dict(state["best_model"])
-    valid_scores = evaluate(model, sampler, features, valid, known, config, config.seed + 1, amp_dtype)
-    test_scores = evaluate(model, sampler, features, test, known, config, config.seed + 2, amp_dtype)
-    threshold = best_threshold(valid_scores["positive"], valid_scores["negative"])
-    metrics = {f"valid_{k}": v for k, v in split_metrics(valid_scores, threshold, True).items()}
-    metrics.update({f"test_{k}": v for k, v in split_metrics(test_scores, threshold, True).items()})
-    metrics.update(threshold=threshold, best_epoch=float(state["best_epoch"]), steps=float(state["step"]),
+    metrics = _final_metrics(model, sampler, features, valid, test, known, config, amp_dtype)
+    metrics.update(best_epoch=float(state["best_epoch"]), steps=float(state["step"]),
                    valid_roc_auc_untrained=untrained_auc)
-    finished = time.perf_counter()
-    timings = {"setup_seconds": prepared - started, "train_seconds": state["train_seconds"],
-               "eval_seconds": finished - trained, "total_seconds": finished - started,
-               "edges_per_second": state["edges_seen"] / max(state["train_seconds"], 1e-9)}
+    timings = _timings(state, started, prepared, trained)
     if log_fn:
         log_fn(state["step"], {**metrics, "edges_per_second": timings["edges_per_second"]})
     model.relation_names = tuple(data.relations)
-    return GatResult(model.cpu().eval(), metrics, state["history"], config, timings, data.sizes(),
-                     data.relations)
+    return GatResult(model.cpu().eval(), metrics, state["history"], config, timings, data.sizes(), data.relations)
 
 
 def train_gat(warehouse: Warehouse, config: GatConfig, checkpoint_dir: str | Path | None = None,
