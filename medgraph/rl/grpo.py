@@ -44,6 +44,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from medgraph.llm.base import ChatModel
 from medgraph.llm.hf import TransformersChatModel, autocast
 from medgraph.methods.graph_r1 import GraphR1Config, GraphR1Env
 from medgraph.qa.item import QaItem
@@ -292,19 +293,10 @@ def train_grpo(model_dir: str | Path, env: GraphR1Env, train: Sequence[QaItem], 
         raise ValueError("GRPO needs training questions: materialize qa/qa_items")
     dist = Distributed.from_env()
     device = dist.device(config.device)
-    lora = lora_of(config)
     checkpoint = latest_checkpoint(checkpoint_dir) if resume else None
-    if checkpoint is not None and lora is None:
-        policy = load_trainable(checkpoint / POLICY_DIR, device=device, max_batch_size=256, name=name)
-    else:
-        adapter = checkpoint / POLICY_DIR if checkpoint is not None else None
-        policy = load_trainable(model_dir, lora=lora, adapter_dir=adapter, device=device, max_batch_size=256, name=name)
+    policy = _starting_policy(model_dir, checkpoint, config, device, name)
     device = policy.device  # resolved ("auto" -> cuda or cpu)
     reference = frozen_reference(model_dir, policy) if config.beta > 0 else None
-    if config.gradient_checkpointing:
-        policy.model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-        if is_lora(policy.model):
-            policy.model.enable_input_require_grads()
     optimizer = torch.optim.AdamW(trainable_parameters(policy.model), lr=config.lr, weight_decay=config.weight_decay)
     start, history = 0, []
     if checkpoint is not None:
@@ -334,29 +326,7 @@ def train_grpo(model_dir: str | Path, env: GraphR1Env, train: Sequence[QaItem], 
         log_fn(0, history[-1])
     for step in tqdm(range(start + 1, config.steps + 1), desc="grpo", disable=not (config.progress and dist.is_main),
                      initial=start, total=config.steps):
-        started = time.perf_counter()
-        questions = random.Random(f"{config.seed}:{step}").sample(list(train), min(config.questions_per_step, len(train)))
-        generation = generation_config(env.config.max_new_tokens, config.temperature, config.top_p,
-                                       seed=config.seed * 1_000_003 + step * 1_000 + dist.rank * 100)
-        with autocast(device, config.bf16, generation=True):
-            batch = rollout(engine, env, dist.shard(questions), config.group_size, generation, reward)
-        rewards = torch.tensor([t.reward.total for t in batch.trajectories]).view(-1, config.group_size)
-        for trajectory, advantage in zip(batch.trajectories, group_advantages(rewards).flatten().tolist(), strict=True):
-            trajectory.advantage = advantage
-        flat = (rewards.max(dim=1).values == rewards.min(dim=1).values).tolist()
-        # Under DDP every rank must run the same backward passes, so flat groups stay in (at zero advantage).
-        skip = config.skip_flat_groups and dist.world == 1
-        used = [t for t in batch.trajectories if not (skip and flat[t.group])]
-        updated = time.perf_counter()
-        update = grpo_update(policy, loss_model, reference, used, optimizer, config)
-        if isinstance(engine, VllmRollouts):
-            engine.sync(policy, step)
-        record = dist.mean({
-            **batch.stats, **update, "reward_std": float(rewards.std(dim=1, unbiased=False).mean()),
-            "flat_groups": float(sum(flat)) / len(flat), "rollout_tokens_per_s": batch.tokens_per_second,
-            "rollout_seconds": batch.seconds, "update_seconds": time.perf_counter() - updated,
-            "step_seconds": time.perf_counter() - started,
-        })
+        record = _grpo_step(step, policy, loss_model, reference, engine, env, train, optimizer, reward, config, dist)
         if dist.is_main and valid and (step % config.eval_every == 0 or step == config.steps):
             record.update(validate())
         history.append({"step": step, **record})
@@ -367,6 +337,53 @@ def train_grpo(model_dir: str | Path, env: GraphR1Env, train: Sequence[QaItem], 
             if checkpoint_dir is not None and (step % config.checkpoint_every == 0 or step == config.steps):
                 save_checkpoint(checkpoint_dir, step, policy, optimizer, {"history": history})
     return GrpoResult(policy, _final_metrics(history), history)
+
+
+def _starting_policy(model_dir: str | Path, checkpoint: Path | None, config: GrpoConfig, device: str,
+                     name: str | None) -> TransformersChatModel:
+    """The policy to train: a checkpoint's full weights, or the model with a fresh or resumed LoRA adapter."""
+    lora = lora_of(config)
+    if checkpoint is not None and lora is None:
+        policy = load_trainable(checkpoint / POLICY_DIR, device=device, max_batch_size=256, name=name)
+    else:
+        adapter = checkpoint / POLICY_DIR if checkpoint is not None else None
+        policy = load_trainable(model_dir, lora=lora, adapter_dir=adapter, device=device, max_batch_size=256, name=name)
+    if config.gradient_checkpointing:
+        policy.model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        if is_lora(policy.model):
+            policy.model.enable_input_require_grads()
+    return policy
+
+
+def _grpo_step(step: int, policy: TransformersChatModel, loss_model: torch.nn.Module,
+               reference: torch.nn.Module | None, engine: ChatModel, env: GraphR1Env, train: Sequence[QaItem],
+               optimizer: torch.optim.Optimizer, reward: Callable, config: GrpoConfig, dist: Distributed
+               ) -> dict[str, float]:
+    """One GRPO step: G episodes for each of the step's questions (this rank's share), group-normalized
+    advantages, one update; the step's statistics, averaged over ranks."""
+    started = time.perf_counter()
+    questions = random.Random(f"{config.seed}:{step}").sample(list(train), min(config.questions_per_step, len(train)))
+    generation = generation_config(env.config.max_new_tokens, config.temperature, config.top_p,
+                                   seed=config.seed * 1_000_003 + step * 1_000 + dist.rank * 100)
+    with autocast(policy.device, config.bf16, generation=True):
+        batch = rollout(engine, env, dist.shard(questions), config.group_size, generation, reward)
+    rewards = torch.tensor([t.reward.total for t in batch.trajectories]).view(-1, config.group_size)
+    for trajectory, advantage in zip(batch.trajectories, group_advantages(rewards).flatten().tolist(), strict=True):
+        trajectory.advantage = advantage
+    flat = (rewards.max(dim=1).values == rewards.min(dim=1).values).tolist()
+    # Under DDP every rank must run the same backward passes, so flat groups stay in (at zero advantage).
+    skip = config.skip_flat_groups and dist.world == 1
+    used = [t for t in batch.trajectories if not (skip and flat[t.group])]
+    updated = time.perf_counter()
+    update = grpo_update(policy, loss_model, reference, used, optimizer, config)
+    if isinstance(engine, VllmRollouts):
+        engine.sync(policy, step)
+    return dist.mean({
+        **batch.stats, **update, "reward_std": float(rewards.std(dim=1, unbiased=False).mean()),
+        "flat_groups": float(sum(flat)) / len(flat), "rollout_tokens_per_s": batch.tokens_per_second,
+        "rollout_seconds": batch.seconds, "update_seconds": time.perf_counter() - updated,
+        "step_seconds": time.perf_counter() - started,
+    })
 
 
 def _final_metrics(history: Sequence[dict[str, float]]) -> dict[str, float]:

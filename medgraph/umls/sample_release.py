@@ -900,22 +900,10 @@ def _assign_cuis(release: _Release) -> dict[str, str]:
     return cuis
 
 
-def _build_rows(release: _Release) -> _Rows:
-    cui_of_key = _assign_cuis(release)
-    cui_of_source = {key: cui_of_key[concept] for key, concept in release.concept_of.items()}
-
-    atoms_by_cui: dict[str, list[_Atom]] = defaultdict(list)
-    for key, source in release.sources.items():
-        for atom, concept in release.atoms(source):
-            atoms_by_cui[cui_of_key[concept]].append(atom)
-    all_atoms = sorted({(a.sab, a.code, a.tty, a.string) for atoms in atoms_by_cui.values() for a in atoms})
-    aui = {atom: f"A9{i:07d}" for i, atom in enumerate(all_atoms, start=1)}
-    strings = sorted({a[3] for a in all_atoms})
-    sui = {s: f"S9{i:07d}" for i, s in enumerate(strings, start=1)}
-    norms = sorted({_lexical_norm(s) for s in strings})
-    lui_of_norm = {n: f"L9{i:07d}" for i, n in enumerate(norms, start=1)}
-    lui = {s: lui_of_norm[_lexical_norm(s)] for s in strings}
-
+def _mrconso_rows(release: _Release, atoms_by_cui: dict[str, list[_Atom]], aui: dict[tuple[str, ...], str],
+                  sui: dict[str, str], lui: dict[str, str]) -> tuple[list[str], dict[tuple[str, str], str]]:
+    """MRCONSO's lines (sorted) and the AUI of each source concept's PT/HT atom. Per concept, atoms best-ranked
+    first: TS, STT and ISPREF as UMLS derives them from the lexical (LUI) and string (SUI) classes."""
     mrconso: list[str] = []
     source_aui: dict[tuple[str, str], str] = {}  # source concept -> AUI of its PT/HT atom
     for cui, atoms in atoms_by_cui.items():
@@ -940,7 +928,12 @@ def _build_rows(release: _Release) -> _Rows:
             if atom.tty == source.tty and atom.string == source.name:
                 source_aui[source.key] = atom_id
     mrconso.sort()
+    return mrconso, source_aui
 
+
+def _mrrel_rows(release: _Release, cui_of_source: dict[tuple[str, str], str],
+                source_aui: dict[tuple[str, str], str]) -> tuple[list[str], Counter[str]]:
+    """MRREL's lines (each relation and its inverse, numbered in sorted order) and the relations per source."""
     relation_rows: set[tuple[str, ...]] = set()
     for subject, rela, obj, sab in release.relations:
         s_cui, o_cui = cui_of_source[subject], cui_of_source[obj]
@@ -961,6 +954,28 @@ def _build_rows(release: _Release) -> _Rows:
         mrrel.append(_rrf_line((cui1, aui1, stype1, rel, cui2, aui2, stype2, rela, f"R9{i:08d}", "", sab, sab, "",
                                 direction, "N", "")))
         relations_per_sab[sab] += 1
+    return mrrel, relations_per_sab
+
+
+def _build_rows(release: _Release) -> _Rows:
+    cui_of_key = _assign_cuis(release)
+    cui_of_source = {key: cui_of_key[concept] for key, concept in release.concept_of.items()}
+
+    atoms_by_cui: dict[str, list[_Atom]] = defaultdict(list)
+    for key, source in release.sources.items():
+        for atom, concept in release.atoms(source):
+            atoms_by_cui[cui_of_key[concept]].append(atom)
+    all_atoms = sorted({(a.sab, a.code, a.tty, a.string) for atoms in atoms_by_cui.values() for a in atoms})
+    aui = {atom: f"A9{i:07d}" for i, atom in enumerate(all_atoms, start=1)}
+    strings = sorted({a[3] for a in all_atoms})
+    sui = {s: f"S9{i:07d}" for i, s in enumerate(strings, start=1)}
+    norms = sorted({_lexical_norm(s) for s in strings})
+    lui_of_norm = {n: f"L9{i:07d}" for i, n in enumerate(norms, start=1)}
+    lui = {s: lui_of_norm[_lexical_norm(s)] for s in strings}
+
+    mrconso, source_aui = _mrconso_rows(release, atoms_by_cui, aui, sui, lui)
+
+    mrrel, relations_per_sab = _mrrel_rows(release, cui_of_source, source_aui)
 
     # Semantic types: the members' types, minus generic ones when a specific one is there.
     tuis_of: dict[str, set[str]] = defaultdict(set)
