@@ -36,7 +36,7 @@ $(VENV)/.installed: pyproject.toml | $(BIN)/python
 # dagster-dbt reads dbt/target/manifest.json when the definitions load.
 DBT_SOURCES := $(shell find dbt/models dbt/macros dbt/seeds -type f 2>/dev/null) dbt/dbt_project.yml dbt/profiles.yml
 dbt/target/manifest.json: $(VENV)/.installed $(DBT_SOURCES)
-	$(BIN)/python -c "from platform_assets.dbt_project import prepare_manifest; prepare_manifest()"
+	$(BIN)/python -c "from resources.dbt import prepare_manifest; prepare_manifest()"
 
 install: $(VENV)/.installed dbt/target/manifest.json
 

@@ -13,7 +13,7 @@ from dagster_dbt import DagsterDbtTranslator, DagsterDbtTranslatorSettings, DbtC
 from medgraph.s3 import S3Lake, install_httpfs
 from medgraph.storage import duckdb_default_memory_limit
 from platform_assets.automation import on_data_version_change
-from platform_assets.dbt_project import dbt_project
+from resources.dbt import dbt_project
 from resources import WarehouseResource
 
 

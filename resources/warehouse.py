@@ -122,7 +122,7 @@ def build_resources(settings: Settings | None = None) -> dict[str, dg.Configurab
     umls_dir = by_name_if_secret(settings.umls_dir, "MEDGRAPH_UMLS_DIR")
     from dagster_dbt import DbtCliResource
 
-    from platform_assets.dbt_project import DBT_EXECUTABLE, dbt_project
+    from resources.dbt import DBT_EXECUTABLE, dbt_project
     from resources.encoder import EncoderResource
     from resources.llm import LlmResource
     from resources.mlflow import MlflowResource

@@ -30,7 +30,7 @@ def pytest_configure(config: pytest.Config) -> None:
 
     Under pytest-xdist (`make test TEST_WORKERS=N`) the controller writes it before the workers start;
     a worker rewriting `dbt/target/manifest.json` while another imports the definitions would race."""
-    from platform_assets.dbt_project import prepare_manifest
+    from resources.dbt import prepare_manifest
 
     if not hasattr(config, "workerinput"):
         prepare_manifest()
@@ -244,6 +244,31 @@ def smollm2(tmp_path_factory: pytest.TempPathFactory):
     from medgraph.llm import load_llm
 
     return load_llm("smollm2-135m-instruct", home=tmp_path_factory.mktemp("llm_home"), device="cpu")
+
+
+TINY_LLM = "tiny-llm"  # the directory name is the model's name (a HIIM projector must match it)
+
+
+@pytest.fixture(scope="session")
+def tiny_llm_dir(smollm2, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A randomly initialised 2-layer Llama (hidden size 64) with SmolLM2's tokenizer and chat template: it
+    answers nonsense, fast, and learns a few targets in a few steps; for tests of what runs, not of what a
+    real model says."""
+    import torch
+    from transformers import GenerationConfig as HfGenerationConfig
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tokenizer = smollm2.tokenizer
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=2048, tie_word_embeddings=True,
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=smollm2.eos_ids[0], pad_token_id=smollm2.pad_id))
+    model.generation_config = HfGenerationConfig(eos_token_id=smollm2.eos_ids[0], pad_token_id=smollm2.pad_id)
+    out = tmp_path_factory.mktemp("models") / TINY_LLM
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
 
 
 def share_converted_llm(home: Path, llm) -> None:

@@ -166,6 +166,55 @@ def test_layer_of_names_the_package_layer(module: str, layer: int | None):
     assert layer_of(module) == layer
 
 
+# The whole tree, lowest first: the library, the resources over it, the assets, jobs, sensors, the benchmarks and
+# the code location that gathers them. A package imports its own level and the ones below it.
+TOP_LEVEL = ("medgraph", "resources", "platform_assets", "jobs", "sensors", "benchmarks", "definitions")
+
+
+def tree_errors(root: Path) -> list[str]:
+    """Each import, in any package above the library, of a package above it; and each private `dagster._`
+    import without a `# Private...` comment (the reason) in the three lines above it."""
+    errors = []
+    for rank, package in enumerate(TOP_LEVEL[1:], start=1):
+        paths = [root / "definitions.py"] if package == "definitions" else sorted((root / package).rglob("*.py"))
+        for path in (p for p in paths if p.exists()):
+            module = _module_name(path, root)
+            for line, imported in _imported_modules(path, module if path.name == "__init__.py"
+                                                    else module.rpartition(".")[0] or module):
+                top = imported.split(".")[0]
+                if top in TOP_LEVEL and TOP_LEVEL.index(top) > rank:
+                    errors.append(f"{path.relative_to(root)}:{line}: {package} imports {imported}, which sits above it")
+            lines = path.read_text().splitlines()
+            for number, text in enumerate(lines, start=1):
+                if text.lstrip().startswith(("from dagster._", "import dagster._")) and not any(
+                        "# Private" in above for above in lines[max(0, number - 4):number - 1]) and not any(
+                        prev.lstrip().startswith("from dagster._") for prev in lines[number - 2:number - 1]):
+                    errors.append(f"{path.relative_to(root)}:{number}: a private Dagster import without its reason")
+    return errors
+
+
+def test_the_whole_tree_points_down():
+    assert tree_errors(ROOT) == []
+
+
+def test_the_tree_check_fails_on_an_upward_import_and_an_unexplained_private_import(tmp_path: Path):
+    _write(tmp_path, "resources/warehouse.py", "def build():\n    from platform_assets.dbt_project import x\n")
+    _write(tmp_path, "platform_assets/kg.py", "from resources.dbt import dbt_project\nimport jobs\n")
+    _write(tmp_path, "jobs/executor.py", "# Private on purpose: no public hook.\nfrom dagster._core.a import b\n"
+                                         "from dagster._core.c import d\n")
+    _write(tmp_path, "jobs/recovery.py", "from dagster._core.storage.runs import SqliteRunStorage\n")
+    _write(tmp_path, "sensors/registry.py", "from jobs import evaluate_job\nfrom platform_assets import kg\n")
+
+    errors = tree_errors(tmp_path)
+
+    assert errors == [
+        "resources/warehouse.py:2: resources imports platform_assets.dbt_project, which sits above it",
+        "resources/warehouse.py:2: resources imports platform_assets.dbt_project.x, which sits above it",
+        "platform_assets/kg.py:2: platform_assets imports jobs, which sits above it",
+        "jobs/recovery.py:1: a private Dagster import without its reason",
+    ]
+
+
 PRODUCT_PACKAGES = ("medgraph", "platform_assets", "resources", "jobs", "sensors")
 
 
