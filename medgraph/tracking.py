@@ -16,7 +16,7 @@ import logging
 import os
 import re
 from collections.abc import Iterator, Mapping, MutableMapping
-from contextlib import contextmanager
+from contextlib import closing, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -376,19 +376,44 @@ class Tracking:
         """The experiment `medgraph/<asset>`, created with its artifacts under `artifact_root`."""
         name = f"medgraph/{asset}"
         client = self.client
-        experiment = client.get_experiment_by_name(name)
-        if experiment is not None:
-            return experiment.experiment_id
         location = self.artifact_root.rstrip("/") + "/" + asset
         # A URI (s3://..., and mlflow-artifacts:/... of a server that proxies artifacts) goes to MLflow as it
         # is; anything else is a local directory.
         if not re.match(r"^[A-Za-z][A-Za-z0-9+.-]+:", location):
             Path(location).mkdir(parents=True, exist_ok=True)
             location = Path(location).resolve().as_uri()
+        experiment = client.get_experiment_by_name(name)
+        if experiment is not None:
+            if experiment.artifact_location != location:
+                self._move_artifact_location(experiment.experiment_id, experiment.artifact_location, location)
+            return experiment.experiment_id
         try:
             return client.create_experiment(name, artifact_location=location)
         except MlflowException:  # created concurrently by another process
             return client.get_experiment_by_name(name).experiment_id
+
+    def _move_artifact_location(self, experiment_id: str, old: str, new: str) -> None:
+        """Point a local experiment of this home's SQLite registry, and the runs and models logged in it, at
+        `new`, this process's folder for the asset.
+
+        MLflow stores absolute artifact locations and has no call to change one: in a copied MEDGRAPH_HOME
+        every new run would write into the original home (and fail when that is read-only). The rows are
+        rewritten in one transaction, as the warehouse's views are re-pointed at the home's own lake on open.
+        A tracking server, or an artifact root that is not local, is shared on purpose and left alone."""
+        import sqlite3
+
+        if not self.tracking_uri.startswith("sqlite:///") or _local_path(old) is None or _local_path(new) is None:
+            return
+        database = self.tracking_uri.removeprefix("sqlite:///")
+        prefix, length = old.rstrip("/") + "/", len(old.rstrip("/"))
+        moved = "? || substr({column}, ?) WHERE substr({column}, 1, ?) = ?"
+        with closing(sqlite3.connect(database, timeout=30)) as con, con:
+            con.execute("UPDATE experiments SET artifact_location = ? WHERE experiment_id = ?", (new, experiment_id))
+            for table, column in (("runs", "artifact_uri"), ("logged_models", "artifact_location"),
+                                  ("model_versions", "storage_location"), ("model_versions", "source")):
+                con.execute(f"UPDATE {table} SET {column} = " + moved.format(column=column),
+                            (new.rstrip("/"), length + 1, len(prefix), prefix))
+        log.info("MLflow experiment %s: artifacts now under %s (was %s)", experiment_id, new, old)
 
     @contextmanager
     def start_run(self, asset: str, run_name: str | None = None,

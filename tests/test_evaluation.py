@@ -121,17 +121,76 @@ def test_a_dataset_partition_is_evaluated_into_tables_metadata_and_mlflow(eval_h
     assert "medgraph-gat@champion | none registered" in markdown
 
 
+def file_state(root: Path) -> dict[str, tuple[int, int]]:
+    """(size, mtime_ns) of every file under `root`: a write anywhere changes it."""
+    return {str(p): (p.stat().st_size, p.stat().st_mtime_ns) for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def test_a_copied_home_writes_its_runs_and_models_only_into_itself(eval_home: Path, _mlflow_template: Path,
+                                                                   tmp_path: Path):
+    """Issue 58 case 2: MLflow keeps absolute artifact locations, so an evaluation run in a copy of a home
+    wrote its artifacts into the original (and failed with `OSError: [Errno 30]` on a read-only original).
+    Here the original is made read-only (root ignores that; the file state is the check that holds for
+    everyone) and the copy evaluates and logs and registers a model."""
+    import shutil
+
+    import torch
+
+    from medgraph.tracking import Tracking
+
+    def home_resources(home: Path) -> dict[str, dg.ConfigurableResource]:
+        return {"warehouse": WarehouseResource(home=str(home)),
+                "llm": LlmResource(spec="smollm2-135m-instruct", home=str(home)),
+                "encoder": EncoderResource(max_length=128),
+                "mlflow_tracking": MlflowResource(tracking_uri=f"sqlite:///{home / 'mlflow.db'}",
+                                                  artifact_root=str(home / "artifacts"))}
+
+    def evaluate_and_log_a_model(home: Path) -> None:
+        baselines = next(a for a in eval_assets if a.key.path[-1] == "eval_baselines")
+        dg.materialize([qa_benchmark, baselines], resources=home_resources(home), partition_key="kgqa_mc",
+                       run_config=dg.RunConfig(ops={
+                           "eval__qa_benchmark": {"config": {"limit": 2}},
+                           "eval__eval_baselines": {"config": {
+                               "methods": ["cot"], "method_config": '{"cot": {"max_new_tokens": 8}}'}}}))
+        tracking = home_resources(home)["mlflow_tracking"].tracking()
+        with tracking.start_run("gat_model"):  # as a fit asset logs its model
+            version = tracking.register(tracking.log_torch_model(torch.nn.Linear(2, 2)), "medgraph-test-model")
+        with tracking.model_files(f"models:/medgraph-test-model/{version}") as files:
+            assert files.path.is_relative_to(home / "artifacts" / "gat_model"), files.path
+
+    shutil.copy2(_mlflow_template, eval_home / "mlflow.db")
+    evaluate_and_log_a_model(eval_home)
+    copied = Path(shutil.copytree(eval_home, tmp_path / "copied", symlinks=True))
+    before = file_state(eval_home)
+    modes = {path: path.stat().st_mode for path in [eval_home, *eval_home.rglob("*")] if not path.is_symlink()}
+    for path, mode in modes.items():
+        path.chmod(mode & ~0o222)
+    try:
+        evaluate_and_log_a_model(copied)
+    finally:
+        for path, mode in modes.items():
+            path.chmod(mode)
+    assert file_state(eval_home) == before
+    tracking = Tracking(f"sqlite:///{copied / 'mlflow.db'}", str(copied / "artifacts"))
+    [experiment] = [e for e in tracking.client.search_experiments() if e.name == "medgraph/eval_baselines"]
+    runs = tracking.client.search_runs([experiment.experiment_id])
+    assert len(runs) == 2 and all(run.info.artifact_uri.startswith((copied / "artifacts").as_uri()) for run in runs)
+
+
 def test_the_reader_adapter_is_trained_gated_and_answers_the_adapted_rows(eval_home: Path, resources: dict,
-                                                                          one_torch_thread):
+                                                                          tiny_llm_dir: Path, one_torch_thread):
+    """The adapter's asset, gate and `@adapted` rows on the tiny random Llama: the plumbing, not the reading
+    (benchmarks/reader_adapter.py measures that on SmolLM2)."""
     from medgraph.tracking import READER_ADAPTER_MODEL
     from platform_assets.models import reader_adapter
 
+    resources = {**resources, "llm": LlmResource(spec=str(tiny_llm_dir), home=str(eval_home))}
     trained = dg.materialize([reader_adapter], resources=resources, run_config=dg.RunConfig(
         ops={"models__reader_adapter": {"config": {"profile": "tiny"}}}))
     (materialization,) = trained.asset_materializations_for_node("models__reader_adapter")
     metadata = {k: v.value for k, v in materialization.metadata.items()}
     assert metadata["validation_questions"] == 4 and metadata["examples"] > 0
-    assert metadata["baseline_name"] == "base reader smollm2-135m-instruct"
+    assert metadata["baseline_name"] == f"base reader {tiny_llm_dir.name}"
     assert metadata["baseline_value"] == metadata["valid_base_oracle_accuracy"]
     gain = metadata["valid_no_evidence_accuracy"] - metadata["valid_base_no_evidence_accuracy"]
     assert metadata["valid_no_evidence_gain"] == pytest.approx(gain)
