@@ -101,13 +101,21 @@ def lora_policy(device: str, frozen_dtype: torch.dtype) -> torch.nn.Module:
     return model.train()
 
 
-def micro_batches(lengths: list[int], reply: int, micro: int, device: str) -> list[tuple[torch.Tensor, ...]]:
-    """Right-padded micro-batches of like lengths, the kept positions (the replies') and their targets."""
+def micro_batches(lengths: list[int], reply: int, micro: int | str, device: str) -> list[tuple[torch.Tensor, ...]]:
+    """Right-padded micro-batches of like lengths, the kept positions (the replies') and their targets. `micro`:
+    rows per micro-batch, or "<N> tokens": as many rows as fit in N padded tokens (`medgraph.rl.sft.micro_batches`,
+    restated here so that this script needs no medgraph.rl)."""
     generator = torch.Generator().manual_seed(0)
     rows = [torch.randint(0, SMOLLM2_135M["vocab_size"], (n,), generator=generator) for n in sorted(lengths)]
+    chunks: list[list[torch.Tensor]] = []
+    budget = int(micro.split()[0]) if isinstance(micro, str) else None
+    for row in rows:  # ascending: `row` is the longest of its micro-batch
+        if chunks and (len(chunks[-1]) < micro if budget is None else (len(chunks[-1]) + 1) * len(row) <= budget):
+            chunks[-1].append(row)
+        else:
+            chunks.append([row])
     batches = []
-    for start in range(0, len(rows), micro):
-        chunk = rows[start:start + micro]
+    for chunk in chunks:
         width = max(len(r) for r in chunk)
         ids = torch.zeros(len(chunk), width, dtype=torch.long)
         attention = torch.zeros_like(ids)
@@ -137,19 +145,33 @@ def fit_step(model: torch.nn.Module, forward: Callable, batches: list, optimizer
     return total
 
 
-# name -> (frozen weights' dtype, padding mask passed, micro-batch size, compiled)
-FIT_VARIANTS = {"fp32 weights, padding mask, micro-batches of 4 (before)": (torch.float32, True, 4, False),
-                "fp32 weights, causal only, micro-batches of 2 (shipped)": (torch.float32, False, 2, False),
-                "bf16 frozen weights, causal only, micro-batches of 2": (torch.bfloat16, False, 2, False)}
-COMPILED = {"bf16 frozen weights, causal only, micro-batches of 2, torch.compile": (torch.bfloat16, False, 2, True)}
+# name -> (frozen weights' dtype, padding mask passed, micro-batch size, LoRA update in one addmm, compiled)
+FIT_VARIANTS = {"fp32 weights, padding mask, micro-batches of 4, PEFT's forward (before)":
+                (torch.float32, True, 4, False, False),
+                "fp32 weights, causal only, micro-batches of 2, PEFT's forward": (torch.float32, False, 2, False, False),
+                "fp32 weights, causal only, micro-batches of 2, one addmm": (torch.float32, False, 2, True, False),
+                "fp32 weights, causal only, micro-batches of 1, one addmm": (torch.float32, False, 1, True, False),
+                "fp32 weights, causal only, micro-batches within 2,048 padded tokens, one addmm (shipped)":
+                (torch.float32, False, "2048 tokens", True, False),
+                "bf16 frozen weights, causal only, micro-batches of 2, one addmm": (torch.bfloat16, False, 2, True, False)}
+COMPILED = {"bf16 frozen weights, causal only, micro-batches of 2, one addmm, torch.compile":
+            (torch.bfloat16, False, 2, True, True)}
 
 
 def fit_variants(args: argparse.Namespace) -> dict[str, tuple[torch.nn.Module, Callable, bool, list]]:
     """name -> (model, its forward, padding mask passed, micro-batches)."""
     lengths = [int(n) for n in args.lengths.split(",")]
     built = {}
-    for name, (dtype, masked, micro, compiled) in {**FIT_VARIANTS, **(COMPILED if args.compile else {})}.items():
+    variants = {**FIT_VARIANTS, **(COMPILED if args.compile else {})}
+    chosen = [part.strip() for part in args.variants.split(";")] if args.variants else []
+    for name, (dtype, masked, micro, fused, compiled) in variants.items():
+        if chosen and not any(part in name for part in chosen):
+            continue
         model = lora_policy(args.device, dtype)
+        if fused:
+            from medgraph.llm.lora import fuse_lora_updates
+
+            fuse_lora_updates(model)
         built[name] = (model, torch.compile(model, dynamic=False) if compiled else model, masked,
                        micro_batches(lengths, args.reply, micro, args.device))
     return built
@@ -170,7 +192,7 @@ def fit_rows(args: argparse.Namespace, bf16_rate: float) -> list[tuple[str, floa
         notes[name] = f"first step {time.perf_counter() - started:.1f} s, loss {loss:.5f}"
     counter = FlopCounterMode(display=False)
     # The bound counts the shipped variant's work (no FLOPs spent on padding-masked attention beyond it).
-    shipped = next(name for name in built if "shipped" in name)
+    shipped = next((name for name in built if "shipped" in name), next(iter(built)))
     model, forward, masked, batches = built[shipped]
     with counter:
         fit_step(model, forward, batches, optimizers[shipped], args.device, masked)
@@ -255,6 +277,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--compile", action="store_true", help="add the fit step under torch.compile (minutes)")
     parser.add_argument("--skip-fit", action="store_true")
+    parser.add_argument("--skip-decode", action="store_true")
+    parser.add_argument("--variants", default="", help="only the fit variants whose names hold one of these "
+                        ";-separated phrases; run one alone to read its peak memory (printed last)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     fp32_rate = matmul_flops_per_s(torch.float32, args.device)
@@ -265,11 +290,14 @@ def main() -> None:
           f"read {bandwidth / 1e9:.1f} GB/s", flush=True)
     print("| what | measured | bound | measured / bound | note |\n|---|---|---|---|---|", flush=True)
     rows = [] if args.skip_fit else fit_rows(args, bf16_rate)
-    rows += decode_rows(args, bandwidth)
+    rows += [] if args.skip_decode else decode_rows(args, bandwidth)
     for name, seconds, bound, note in rows:
         unit, scale = ("s", 1) if seconds > 1 else ("ms", 1000)
         print(f"| {name} | {seconds * scale:.1f} {unit} | {bound * scale:.1f} {unit} | {seconds / bound:.1f}x "
               f"| {note} |", flush=True)
+    import resource
+
+    print(f"peak resident memory of this process: {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6:.2f} GB")
 
 
 if __name__ == "__main__":

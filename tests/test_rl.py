@@ -50,6 +50,7 @@ from medgraph.rl.grpo import (
 from medgraph.rl.model import (
     LoraSettings,
     latest_checkpoint,
+    lora_of,
     load_trainable,
     make_batch,
     save_policy,
@@ -77,7 +78,7 @@ from medgraph.rl.rollout import (
     validation_key,
 )
 from medgraph.rl.scale import VllmRollouts
-from medgraph.rl.sft import SftConfig, drawn_batches, expert_demonstrations, lr_factor, train_sft
+from medgraph.rl.sft import SftConfig, drawn_batches, expert_demonstrations, lr_factor, micro_batches, train_sft
 from medgraph.storage import Warehouse
 from medgraph.tracking import GRAPH_R1_POLICY_MODEL, GRAPH_R1_SFT_MODEL, Tracking
 from platform_assets.policy import GraphR1PolicyConfig, GraphR1SftConfig, graph_r1_policy, graph_r1_sft
@@ -318,29 +319,10 @@ def test_policy_training_draws_only_the_named_datasets(qa_warehouse: Warehouse):
 # --------------------------------------------------------------------------- a tiny model that learns
 
 
-@pytest.fixture(scope="module")
-def tiny_model_dir(smollm2, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A randomly initialised 2-layer Llama with SmolLM2's tokenizer and chat template."""
-    from transformers import GenerationConfig as HfGenerationConfig
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    tokenizer = smollm2.tokenizer
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=1024, tie_word_embeddings=True,
-        bos_token_id=tokenizer.bos_token_id, eos_token_id=smollm2.eos_ids[0], pad_token_id=smollm2.pad_id))
-    model.generation_config = HfGenerationConfig(eos_token_id=smollm2.eos_ids[0], pad_token_id=smollm2.pad_id)
-    out = tmp_path_factory.mktemp("tiny_llama")
-    model.save_pretrained(out)
-    tokenizer.save_pretrained(out)
-    return out
-
-
-def test_a_right_padded_batch_scores_each_row_as_it_scores_alone(tiny_model_dir: Path):
+def test_a_right_padded_batch_scores_each_row_as_it_scores_alone(tiny_llm_dir: Path):
     """token_logprobs passes no padding mask (the causal mask alone, for speed): every scored position of a
     right-padded row gets what the row gets alone, and pads change nothing, in float32 and under bf16 autocast."""
-    chat = TransformersChatModel(tiny_model_dir, device="cpu", dtype="float32")
+    chat = TransformersChatModel(tiny_llm_dir, device="cpu", dtype="float32")
     generator = torch.Generator().manual_seed(0)
     rows = []
     for length, reply in ((9, 3), (23, 5), (16, 4)):
@@ -359,19 +341,58 @@ def test_a_right_padded_batch_scores_each_row_as_it_scores_alone(tiny_model_dir:
                                            atol=0.02 if bf16 else 1e-5, rtol=0)
 
 
+def test_micro_batches_hold_a_token_budget_and_a_long_row_goes_alone():
+    lengths = [100, 150, 300, 500, 900, 1200, 2500]  # sorted, as fit_replies sorts a batch
+    assert micro_batches(lengths, 2) == [[0, 1], [2, 3], [4, 5], [6]]
+    budgeted = micro_batches(lengths, 8, tokens=1024)
+    assert budgeted == [[0, 1, 2], [3], [4], [5], [6]]  # 3 x 300 = 900 fits; 4 x 500 does not
+    assert all(len(group) * max(lengths[i] for i in group) <= 1024 for group in budgeted if len(group) > 1)
+    assert sorted(i for group in budgeted for i in group) == list(range(len(lengths)))  # every row, once
+
+
+def test_lora_updates_in_one_addmm_train_as_peft_s_own_forward(tiny_llm_dir: Path):
+    """`fuse_lora_updates` (what load_trainable ships) against PEFT's forward: the same logits before training,
+    and the same loss at every one of 20 LoRA steps, in float32 and under bf16 autocast."""
+    from medgraph.rl.sft import fit_replies
+
+    generator = torch.Generator().manual_seed(0)
+    encoded = []
+    for length in (12, 20, 9, 31, 17, 25, 14, 22):
+        ids = torch.randint(0, 1000, (length,), generator=generator).tolist()
+        encoded.append(EncodedConversation(ids, [0] * (length - 4) + [1] * 4))
+    for bf16 in (False, True):
+        config = SftConfig(steps=20, batch_size=4, micro_batch_size=2, lr=1e-2, lora_r=8, lora_alpha=16,
+                           device="cpu", bf16=bf16)
+        fused = load_trainable(tiny_llm_dir, lora=lora_of(config), device="cpu")
+        peft_own = load_trainable(tiny_llm_dir, lora=lora_of(config), device="cpu")
+        for module in peft_own.model.modules():  # back to PEFT's own class
+            if type(module).__name__ == "AddmmLoraLinear":
+                module.__class__ = type(module).__mro__[1]
+        assert type(next(m for m in fused.model.modules() if hasattr(m, "lora_A"))).__name__ == "AddmmLoraLinear"
+        with torch.no_grad():
+            batch = make_batch(encoded[:2], fused.pad_id, "cpu")
+            torch.testing.assert_close(token_logprobs(fused.model, batch), token_logprobs(peft_own.model, batch))
+        fused_history, _ = fit_replies(fused, encoded, config)
+        peft_history, _ = fit_replies(peft_own, encoded, config)
+        fused_loss = torch.tensor([h["train_nll"] for h in fused_history])
+        peft_loss = torch.tensor([h["train_nll"] for h in peft_history])
+        assert float(peft_loss[-1]) < float(peft_loss[0])  # it trains
+        torch.testing.assert_close(fused_loss, peft_loss, rtol=0.02 if bf16 else 1e-4, atol=0)
+
+
 TOY_ENV = GraphR1Env(None, GraphR1Config(actions=(), max_steps=2, max_new_tokens=16))  # answers only: no retriever
 TOY = [QaItem("toy", f"q{i}", f"Is {term} a medical term?", {"A": "yes", "B": "no"}, "A")
        for i, term in enumerate(["fever", "cough", "asthma", "anemia", "gout", "acne"])]
 
 
 @pytest.fixture(scope="module")
-def tiny_sft_dir(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+def tiny_sft_dir(tiny_llm_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny model taught the answer format on demonstrations that say A and B equally often."""
     demos = [finished(TOY_ENV, item, [f"<think>check</think><answer>{'AB'[i % 2]}</answer>"])
              for i, item in enumerate(TOY)]
     config = SftConfig(steps=100, batch_size=4, micro_batch_size=4, lr=3e-3, graph_r1=TOY_ENV.config, device="cpu",
                        bf16=False)  # bf16 pays off for wide matmuls, not for a 64-wide model
-    result = train_sft(tiny_model_dir, demos, config)
+    result = train_sft(tiny_llm_dir, demos, config)
     assert result.metrics["train_nll_last"] < 0.2 < result.metrics["train_nll_first"]
     return save_policy(result.policy, tmp_path_factory.mktemp("tiny_sft") / "policy")
 
@@ -491,7 +512,7 @@ def test_activation_checkpointing_trains_the_same_policy(tiny_sft_dir: Path, lor
 # --------------------------------------------------------------------------- vLLM rollouts
 
 
-def test_vllm_rollouts_publish_each_adapter_and_unload_the_previous(tiny_model_dir: Path, tmp_path: Path):
+def test_vllm_rollouts_publish_each_adapter_and_unload_the_previous(tiny_llm_dir: Path, tmp_path: Path):
     posts: list[tuple[str, dict]] = []
 
     class Server(BaseHTTPRequestHandler):
@@ -514,7 +535,7 @@ def test_vllm_rollouts_publish_each_adapter_and_unload_the_previous(tiny_model_d
     try:
         from medgraph.rl.model import LoraSettings, load_trainable
 
-        policy = load_trainable(tiny_model_dir, lora=LoraSettings(r=2, alpha=4), device="cpu")
+        policy = load_trainable(tiny_llm_dir, lora=LoraSettings(r=2, alpha=4), device="cpu")
         engine = VllmRollouts(f"openai:base@http://127.0.0.1:{server.server_port}/v1", tmp_path)
         engine.sync(policy, 1)
         engine.sync(policy, 2)
@@ -649,13 +670,15 @@ def test_evaluation_picks_the_grpo_champion_else_the_sft_champion_else_the_base_
 
 
 @pytest.mark.slow
-def test_policy_assets_train_register_and_load_the_champion(qa_warehouse: Warehouse, smollm2, tmp_path: Path,
-                                                            mlflow_db: Path):
+def test_policy_assets_train_register_and_load_the_champion(qa_warehouse: Warehouse, tiny_llm_dir: Path,
+                                                            tmp_path: Path, mlflow_db: Path):
+    """SFT then GRPO as assets, gated, registered and loaded back. The base model is the tiny random Llama:
+    what is tested is the assets' plumbing (how much SmolLM2 learns is graph_r1_sft.py's and
+    grpo_learning.py's question), at a fifth of SmolLM2's time."""
     home = qa_warehouse.path.parent
     tracking_uri = f"sqlite:///{mlflow_db}"
     resources = {"warehouse": WarehouseResource(home=str(home)), "encoder": EncoderResource(max_length=128),
-                 # The session's converted checkpoint as a local model directory: no second GGUF conversion.
-                 "llm": LlmResource(spec=str(smollm2.model_dir), home=str(tmp_path), device="cpu"),
+                 "llm": LlmResource(spec=str(tiny_llm_dir), home=str(tmp_path), device="cpu"),
                  "mlflow_tracking": MlflowResource(tracking_uri=tracking_uri, artifact_root=str(tmp_path / "art")),
                  "training": TrainingResource(profile="tiny")}
     assert load_champion_policy(resources["mlflow_tracking"].tracking()) is None

@@ -30,6 +30,7 @@ from torch import nn
 
 from medgraph.files import directory_written_atomically, write_atomically
 from medgraph.llm.hf import TransformersChatModel, forked_rng
+from medgraph.llm.lora import fuse_lora_updates
 from medgraph.rl.rollout import EncodedConversation
 
 POLICY_DIR = "policy"
@@ -88,6 +89,7 @@ def load_trainable(model_dir: str | Path, *, lora: LoraSettings | None = None, a
         with forked_rng(chat.device):  # leaves the caller's random state as it was
             torch.manual_seed(lora.seed)
             chat.model = get_peft_model(chat.model, config)
+    fuse_lora_updates(chat.model)
     return chat
 
 

@@ -107,10 +107,11 @@ def parse_layouts(text: str) -> tuple[tuple[str, float], ...]:
 # 29 of 48); a cosine decay from 2e-3 ends calm. With chained 2-hop targets, 90 steps read better than 60; on
 # validation drawn as the evaluation draws, 135 steps read better than 90 over three seeds (mean 0.847 vs 0.806, the
 # weakest 0.812 vs 0.729) and still answer no better without evidence.
-# Micro-batches of 2, not 4: the same token-summed gradient (up to float rounding) at the same speed, and the fit's
-# activations peak at ~3.2 GB instead of ~4.6 GB, which keeps `make demo` and `make reproduce` under 8 GB.
-DEMO_FIT = SftConfig(steps=135, batch_size=8, micro_batch_size=2, lr=2e-3, lr_schedule="cosine", warmup_share=0.1,
-                     lora_r=16, lora_alpha=32)
+# Micro-batches within 2,048 padded tokens: the same token-summed gradient (up to float rounding); short examples
+# share a forward pass and a long retrieved-evidence one goes alone, so the activations stay at about one long
+# example's (benchmarks/README.md `clock_bounds.py`: peak memory and seconds per step against fixed sizes).
+DEMO_FIT = SftConfig(steps=135, batch_size=8, micro_batch_size=8, micro_batch_tokens=2048, lr=2e-3,
+                     lr_schedule="cosine", warmup_share=0.1, lora_r=16, lora_alpha=32)
 
 
 @dataclass(frozen=True)
@@ -164,7 +165,8 @@ class ReaderConfig:
 
     def as_dict(self) -> dict[str, object]:
         fit = {f"fit_{k}": v for k, v in asdict(self.fit).items()
-               if k in ("steps", "batch_size", "micro_batch_size", "lr", "lr_schedule", "warmup_share", "lora_r",
+               if k in ("steps", "batch_size", "micro_batch_size", "micro_batch_tokens", "lr", "lr_schedule",
+                        "warmup_share", "lora_r",
                         "lora_alpha", "lora_layers")}
         return {"gold_share": self.gold_share, "max_wrong": self.max_wrong,
                 "layouts": layouts_text(self.layouts),
@@ -381,8 +383,8 @@ def reader_examples(graph: KnowledgeGraph, items: Sequence[QaItem], config: Read
             passages, ranked = retrieved[item.qid]
             ranked_kept = [t for t in ranked if _pair(t) not in held_out]
             stats["dropped_held_out_facts"] += len(ranked) - len(ranked_kept)
-            without_gold = [t for t in ranked_kept if fact_of(t) is None]
-            kept = with_gold_at_rank(ranked_kept if gold else without_gold, gold, fact_of, RagKgConfig.triples_k, layout_rng)
+            shown = ranked_kept if gold else [t for t in ranked_kept if fact_of(t) is None]
+            kept = with_gold_at_rank(shown, gold, fact_of, RagKgConfig.triples_k, layout_rng)
         if config.no_evidence_share and not yes_no and layout_rng.random() < config.no_evidence_share:
             kept, passages, withhold = [], [], True  # the retriever found nothing at all
             stats["no_evidence"] += 1

@@ -198,6 +198,9 @@ class SftConfig:
     steps: int = 200
     batch_size: int = 8
     micro_batch_size: int = 4
+    # At most this many padded tokens (rows x the longest) per micro-batch, besides `micro_batch_size` rows: short
+    # conversations share a forward pass, a long one goes alone, and the activations stay bounded. None: no cap.
+    micro_batch_tokens: int | None = None
     lr: float = 2e-5
     # "constant", or "cosine": linear warm-up over the first `warmup_share` of the steps, then a cosine decay to
     # lr / 10 at the last step (nanoGPT's schedule). A constant rate ends wherever its last noisy step left the weights.
@@ -301,6 +304,22 @@ def drawn_batches(n: int, batch_size: int, seed: int) -> Iterator[list[int]]:
         yield batch
 
 
+def micro_batches(lengths: Sequence[int], rows: int, tokens: int | None = None) -> list[list[int]]:
+    """Consecutive positions of `lengths` (sorted by length) grouped into micro-batches of at most `rows`
+    rows and, with `tokens`, at most that many padded tokens (rows x the longest); a row longer than `tokens`
+    goes alone. The loss sums over tokens, so the grouping changes the memory and the speed, not the gradient."""
+    groups: list[list[int]] = []
+    for position, length in enumerate(lengths):
+        group = groups[-1] if groups else None
+        fits = group is not None and len(group) < rows and (
+            tokens is None or (len(group) + 1) * max(length, *(lengths[i] for i in group)) <= tokens)
+        if fits:
+            group.append(position)
+        else:
+            groups.append([position])
+    return groups
+
+
 def fit_replies(policy: TransformersChatModel, encoded: Sequence[EncodedConversation], config: SftConfig,
                 log_fn: Callable[[int, dict[str, float]], None] | None = None,
                 desc: str = "sft") -> tuple[list[dict[str, float]], dict[str, float]]:
@@ -323,9 +342,9 @@ def fit_replies(policy: TransformersChatModel, encoded: Sequence[EncodedConversa
         tokens = sum(encoded[i].policy_tokens for i in batch_ids)
         optimizer.zero_grad(set_to_none=True)
         total = 0.0
-        for start in range(0, len(batch_ids), config.micro_batch_size):
-            batch = make_batch([encoded[i] for i in batch_ids[start:start + config.micro_batch_size]],
-                               policy.pad_id, policy.device)
+        for micro in micro_batches([len(encoded[i].ids) for i in batch_ids], config.micro_batch_size,
+                                   config.micro_batch_tokens):
+            batch = make_batch([encoded[batch_ids[i]] for i in micro], policy.pad_id, policy.device)
             with autocast(policy.device, config.bf16):
                 logp = token_logprobs(policy.model, batch)
             loss = -(logp * batch.mask).sum() / tokens
