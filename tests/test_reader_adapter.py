@@ -270,34 +270,16 @@ def test_a_gold_fact_the_retriever_missed_goes_to_a_random_rank_and_the_last_oth
     assert len(places) >= 4  # no fixed place for the reader to learn
 
 
-@pytest.fixture(scope="module")
-def tiny_reader_dir(smollm2, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A randomly initialised 2-layer Llama with SmolLM2's tokenizer and chat template."""
-    from transformers import GenerationConfig as HfGenerationConfig
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(
-        vocab_size=len(smollm2.tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048, tie_word_embeddings=True,
-        bos_token_id=smollm2.tokenizer.bos_token_id, eos_token_id=smollm2.eos_ids[0], pad_token_id=smollm2.pad_id))
-    model.generation_config = HfGenerationConfig(eos_token_id=smollm2.eos_ids[0], pad_token_id=smollm2.pad_id)
-    out = tmp_path_factory.mktemp("tiny_reader")
-    model.save_pretrained(out)
-    smollm2.tokenizer.save_pretrained(out)
-    return out
-
-
 def test_the_adapter_learns_the_targets_and_leaves_the_base_weights_alone(graph: KnowledgeGraph,
-                                                                         tiny_reader_dir: Path):
+                                                                         tiny_llm_dir: Path):
     items = [mc_item(graph, f"q{i}")[0] for i in range(4)]
     config = ReaderConfig(layouts=GRAPH_ONLY, gold_share=0.5,
                           fit=SftConfig(steps=40, batch_size=4, micro_batch_size=4, lr=2e-2, lora_r=8, lora_alpha=16,
                                         device="cpu", bf16=False))
     examples, _ = reader_examples(graph, items, config, frozenset())
     with pytest.raises(ValueError, match="validation or test"):  # refused before any model is loaded
-        train_reader_adapter(tiny_reader_dir, examples, config, frozenset(examples[0].pairs))
-    result = train_reader_adapter(tiny_reader_dir, examples, config, frozenset())
+        train_reader_adapter(tiny_llm_dir, examples, config, frozenset(examples[0].pairs))
+    result = train_reader_adapter(tiny_llm_dir, examples, config, frozenset())
     # A random 64-wide model whose embeddings and head stay frozen learns slowly under LoRA (10.80 -> 10.49 nats
     # here, the same four examples every step; 80 steps: 10.37); the pretrained reader memorises such targets
     # within 8 steps (5.2 -> 0.4).
@@ -306,18 +288,18 @@ def test_the_adapter_learns_the_targets_and_leaves_the_base_weights_alone(graph:
     assert all("lora_" in n for n, p in trained.items() if p.requires_grad)
     from transformers import AutoModelForCausalLM
 
-    base = AutoModelForCausalLM.from_pretrained(tiny_reader_dir)
+    base = AutoModelForCausalLM.from_pretrained(tiny_llm_dir)
     name, weight = next((n, p) for n, p in base.named_parameters() if n.endswith("q_proj.weight"))
     adapted_base = next(p for n, p in trained.items() if n.endswith(name.replace("q_proj.weight", "q_proj.base_layer.weight")))
     assert torch.equal(weight, adapted_base)
 
 
-def test_each_step_trains_at_its_scheduled_rate(graph: KnowledgeGraph, tiny_reader_dir: Path):
+def test_each_step_trains_at_its_scheduled_rate(graph: KnowledgeGraph, tiny_llm_dir: Path):
     items = [mc_item(graph, f"q{i}")[0] for i in range(2)]
     fit = SftConfig(steps=4, batch_size=2, micro_batch_size=2, lr=1e-3, lr_schedule="cosine", warmup_share=0.25,
                     lora_r=4, lora_alpha=8, device="cpu", bf16=False)
     examples, _ = reader_examples(graph, items, ReaderConfig(layouts=GRAPH_ONLY, fit=fit), frozenset())
-    result = train_reader_adapter(tiny_reader_dir, examples, ReaderConfig(layouts=GRAPH_ONLY, fit=fit), frozenset())
+    result = train_reader_adapter(tiny_llm_dir, examples, ReaderConfig(layouts=GRAPH_ONLY, fit=fit), frozenset())
     assert [round(h["lr"], 9) for h in result.history] == [round(1e-3 * lr_factor(s, fit), 9) for s in range(1, 5)]
     assert result.history[0]["lr"] == pytest.approx(1e-3) and result.history[-1]["lr"] == pytest.approx(1e-4)
 

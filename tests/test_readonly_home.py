@@ -15,38 +15,16 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import REPO_ROOT, copy_warehouse
+from conftest import REPO_ROOT, TINY_LLM, copy_warehouse
 
 from medgraph.storage import Warehouse
 
 METHODS = ("a2rag", "graph-r1", "sema-rag", "cot", "rag", "rag-kg", "irag")
 # A2RAG's router under a random LLM may never ask for triples; the fixed plan always does, so HIIM is used.
 FIXED_PLAN = "a2rag-no-awc"
-TINY_LLM = "tiny-llm"  # the directory name is the model's name, which the projector must match
 POLICY_ENV = {"env_max_steps": 2, "env_max_new_tokens": 16}
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
-
-
-@pytest.fixture(scope="module")
-def tiny_llm_dir(smollm2, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A randomly initialised 2-layer Llama (hidden size 64) with SmolLM2's tokenizer and chat template: it
-    answers nonsense, fast; what is tested is that every method runs."""
-    import torch
-    from transformers import GenerationConfig as HfGenerationConfig
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    tokenizer = smollm2.tokenizer
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=2048, tie_word_embeddings=True,
-        bos_token_id=tokenizer.bos_token_id, eos_token_id=smollm2.eos_ids[0], pad_token_id=smollm2.pad_id))
-    model.generation_config = HfGenerationConfig(eos_token_id=smollm2.eos_ids[0], pad_token_id=smollm2.pad_id)
-    out = tmp_path_factory.mktemp("models") / TINY_LLM
-    model.save_pretrained(out)
-    tokenizer.save_pretrained(out)
-    return out
 
 
 @pytest.fixture(scope="module")
