@@ -674,7 +674,7 @@ def test_policy_assets_train_register_and_load_the_champion(qa_warehouse: Wareho
                                                             tmp_path: Path, mlflow_db: Path):
     """SFT then GRPO as assets, gated, registered and loaded back. The base model is the tiny random Llama:
     what is tested is the assets' plumbing (how much SmolLM2 learns is graph_r1_sft.py's and
-    grpo_learning.py's question), at a fifth of SmolLM2's time."""
+    grpo_learning.py's question), in 6 s instead of SmolLM2's 76."""
     home = qa_warehouse.path.parent
     tracking_uri = f"sqlite:///{mlflow_db}"
     resources = {"warehouse": WarehouseResource(home=str(home)), "encoder": EncoderResource(max_length=128),
