@@ -393,26 +393,29 @@ class Tracking:
             return client.get_experiment_by_name(name).experiment_id
 
     def _move_artifact_location(self, experiment_id: str, old: str, new: str) -> None:
-        """Point a local experiment of this home's SQLite registry, and the runs and models logged in it, at
-        `new`, this process's folder for the asset.
+        """Point a local experiment of this home's SQLite registry at `new`, this process's folder for the asset,
+        and each of its runs, logged models and model versions whose files are there too.
 
         MLflow stores absolute artifact locations and has no call to change one: in a copied MEDGRAPH_HOME
         every new run would write into the original home (and fail when that is read-only). The rows are
         rewritten in one transaction, as the warehouse's views are re-pointed at the home's own lake on open.
-        A tracking server, or an artifact root that is not local, is shared on purpose and left alone."""
+        A row whose files are only at the old place (an artifact root moved by a setting, not a copied home)
+        keeps pointing there. A tracking server, or an artifact root that is not local, is left alone."""
         import sqlite3
 
         if not self.tracking_uri.startswith("sqlite:///") or _local_path(old) is None or _local_path(new) is None:
             return
-        database = self.tracking_uri.removeprefix("sqlite:///")
-        prefix, length = old.rstrip("/") + "/", len(old.rstrip("/"))
-        moved = "? || substr({column}, ?) WHERE substr({column}, 1, ?) = ?"
-        with closing(sqlite3.connect(database, timeout=30)) as con, con:
+        old, new = old.rstrip("/"), new.rstrip("/")
+        with closing(sqlite3.connect(self.tracking_uri.removeprefix("sqlite:///"), timeout=30)) as con, con:
             con.execute("UPDATE experiments SET artifact_location = ? WHERE experiment_id = ?", (new, experiment_id))
             for table, column in (("runs", "artifact_uri"), ("logged_models", "artifact_location"),
                                   ("model_versions", "storage_location"), ("model_versions", "source")):
-                con.execute(f"UPDATE {table} SET {column} = " + moved.format(column=column),
-                            (new.rstrip("/"), length + 1, len(prefix), prefix))
+                rows = con.execute(f"SELECT rowid, {column} FROM {table} WHERE substr({column}, 1, ?) = ?",
+                                   (len(old) + 1, old + "/")).fetchall()
+                for rowid, value in rows:
+                    moved = new + value[len(old):]
+                    if _local_path(moved).exists():
+                        con.execute(f"UPDATE {table} SET {column} = ? WHERE rowid = ?", (moved, rowid))
         log.info("MLflow experiment %s: artifacts now under %s (was %s)", experiment_id, new, old)
 
     @contextmanager
