@@ -245,6 +245,7 @@ def reader_adapter(context: dg.AssetExecutionContext, config: ReaderAdapterConfi
         mlflow.log_params({**reader_config.as_dict(), "base_model": base.name})
         mlflow.log_metrics({f"examples_{k}": float(v) for k, v in counts.items()})
         base_reading = reading_accuracy(base, tools, valid)
+        base.clear_prefix_cache()  # up to 1 GB of the base reader's keys and values, unused during the fit
         result = train_reader_adapter(base.model_dir, examples, reader_config, held_out, name=f"{base.name}+reader",
                                       log_fn=lambda step, metrics: mlflow.log_metrics(metrics, step=step))
         save_policy(result.policy, out)  # merged: evaluation loads one plain checkpoint, as it does a policy

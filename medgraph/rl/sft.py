@@ -48,6 +48,7 @@ from medgraph.rl.model import (
     load_trainable,
     lora_of,
     make_batch,
+    release_freed_memory,
     token_logprobs,
     trainable_parameters,
 )
@@ -354,6 +355,7 @@ def fit_replies(policy: TransformersChatModel, encoded: Sequence[EncodedConversa
         lr = optimizer.param_groups[0]["lr"]
         optimizer.step()
         scheduler.step()
+        release_freed_memory()
         record = {"train_nll": total, "grad_norm": grad_norm, "policy_tokens": float(tokens), "lr": lr}
         history.append({"step": step, **record})
         if log_fn:
