@@ -32,6 +32,7 @@ from medgraph.rl.hiim import (
     ProjectorConfig,
     ProjectorExample,
     ProjectorResult,
+    accumulate_batch_gradient,
     answer_nll,
     layer_inputs_only,
     load_examples,
@@ -179,6 +180,25 @@ def test_recomputing_the_frozen_llms_activations_gives_the_same_loss_and_gradien
     torch.testing.assert_close(recomputed[1], kept[1], rtol=1e-4, atol=1e-7)
     assert not smollm2.model.training and not any(m.training for m in smollm2.model.modules())
     assert not any(getattr(m, "gradient_checkpointing", False) for m in smollm2.model.modules())
+
+
+def test_one_question_per_pass_gives_the_batchs_gradient(two_examples: list[ProjectorExample], smollm2,
+                                                          tokenizer: GraphTokenizer):
+    """The projector's step with micro-batches of one question (no padding, activations kept) adds the same
+    gradient to W_proj as the whole batch in one padded, recomputed pass, and reports the same mean NLL."""
+    vectors = {e.qid: tokenizer.triple_vectors(e.triples) for e in two_examples}
+    weight = tokenizer.projector.proj.weight
+
+    def step(config: ProjectorConfig) -> tuple[float, torch.Tensor]:
+        weight.grad = None
+        loss = accumulate_batch_gradient(smollm2, tokenizer.projector, vectors, two_examples, config)
+        return loss, weight.grad.clone()
+
+    whole = step(ProjectorConfig(micro_batch_size=2, recompute_layers=True, bf16=False))
+    alone = step(ProjectorConfig(micro_batch_size=1, bf16=False))
+    assert alone[0] == pytest.approx(whole[0], rel=1e-5)
+    torch.testing.assert_close(alone[1], whole[1], rtol=1e-4, atol=1e-6)  # summed in another order
+    assert float(alone[1].abs().sum()) > 0
 
 
 def test_projector_must_beat_a2rags_text_only_answer_then_the_champion(qa_warehouse: Warehouse, smollm2,

@@ -15,7 +15,7 @@ import math
 import random
 import time
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass, field
 from typing import Literal
 
@@ -59,6 +59,11 @@ class ProjectorConfig:
     passages: bool = True  # GSRM: the prompt also shows T_Text's passages, as A2RAG's answer prompt does
     valid_items: int = 64  # validation questions scored after training (and before, as the baseline)
     eval_every: int = 50
+    # Questions per forward and backward pass; the step's gradient is the batch's mean either way. One at a time
+    # there is no padding to mask, and each question's activations are kept whole instead of recomputed
+    # (`recompute_layers`): a step is three passes over the frozen LLM with recomputation, two without.
+    micro_batch_size: int = 1
+    recompute_layers: bool = False  # activation checkpointing (`layer_inputs_only`): long prompts, little memory
     seed: int = 0
     bf16: bool = True  # autocast of the (frozen) LLM's passes on CUDA and on CPUs with native bf16
     progress: bool = False
@@ -78,8 +83,8 @@ class ProjectorConfig:
 PROJECTOR_PROFILES = {
     "tiny": ProjectorConfig(steps=6, batch_size=2, train_items=16, valid_items=8, eval_every=6, distractors=4),
     "demo": ProjectorConfig(steps=18, batch_size=4, train_items=40, valid_items=48, eval_every=18, progress=True),
-    "full": ProjectorConfig(steps=2000, batch_size=16, train_items=None, valid_items=500, eval_every=250,
-                            progress=True),
+    "full": ProjectorConfig(steps=2000, batch_size=16, micro_batch_size=16, recompute_layers=True, train_items=None,
+                            valid_items=500, eval_every=250, progress=True),
 }
 
 
@@ -225,8 +230,8 @@ def _item_nlls(llm: ChatModel, tokenizer: GraphTokenizer | None, examples: Seque
 
 @contextmanager
 def layer_inputs_only(model: torch.nn.Module) -> Iterator[None]:
-    """Activation checkpointing on the frozen LLM while W_proj trains: the backward pass keeps each decoder layer's
-    input and recomputes the rest. Kept whole, the activations of A2RAG's answer prompts are ~1 MB per token
+    """Activation checkpointing on the frozen LLM while W_proj trains (`ProjectorConfig.recompute_layers`): the
+    backward pass keeps each decoder layer's input and recomputes the rest. Kept whole, the activations of A2RAG's answer prompts are ~1 MB per token
     (6.9 GB peak for 2 prompts on a 1M-row synthetic release, 3.5 GB with this; benchmarks/README.md "The model
     steps"). Transformers checkpoints a layer only in training mode, so only the layer modules themselves are
     marked training: their attention and MLP stay in eval mode (no dropout), and the loss and gradients are the
@@ -244,6 +249,22 @@ def layer_inputs_only(model: torch.nn.Module) -> Iterator[None]:
         model.activation_checkpointing_disable()
         for layer, mode in zip(layers, modes, strict=True):
             layer.training = mode
+
+
+def accumulate_batch_gradient(llm: ChatModel, projector: HiimProjector, triple_vectors: dict[str, Tensor],
+                              batch: Sequence[ProjectorExample], config: ProjectorConfig) -> float:
+    """Add the gradient of the batch's mean answer NLL to W_proj's, `config.micro_batch_size` questions per
+    forward and backward pass; returns that mean."""
+    recompute = layer_inputs_only(llm.model) if config.recompute_layers else nullcontext()
+    total = 0.0
+    with autocast(str(llm.model.device), config.bf16), recompute:
+        for start in range(0, len(batch), config.micro_batch_size):
+            micro = batch[start: start + config.micro_batch_size]
+            tokens = [projector(triple_vectors[e.qid].to(llm.model.device)) for e in micro]
+            loss = answer_nll(llm, micro, tokens).sum() / len(batch)
+            loss.backward()
+            total += float(loss.detach())
+    return total
 
 
 def token_embedding_norm(llm: ChatModel) -> float:
@@ -283,13 +304,10 @@ def train_projector(llm: ChatModel, gat: GatModel, features: NodeFeatures, train
     started = time.perf_counter()
     for step in tqdm(range(1, config.steps + 1), desc="hiim projector", disable=not config.progress):
         batch = rng.sample(list(train), min(config.batch_size, len(train)))
-        with autocast(str(llm.model.device), config.bf16), layer_inputs_only(llm.model):
-            tokens = [projector(cached[e.qid].to(llm.model.device)) for e in batch]
-            loss = answer_nll(llm, batch, tokens).mean()
         optimizer.zero_grad(set_to_none=True)
-        loss.backward()
+        loss = accumulate_batch_gradient(llm, projector, cached, batch, config)
         optimizer.step()
-        record = {"train_answer_nll": float(loss.detach())}
+        record = {"train_answer_nll": loss}
         if step % config.eval_every == 0 or step == config.steps:
             final_items = _item_nlls(llm, tokenizer, valid, config.batch_size, config.bf16)
             record["valid_answer_nll"] = sum(final_items) / max(len(final_items), 1)
