@@ -347,3 +347,16 @@ def test_layouts_read_back_as_written_and_a_malformed_string_is_named():
     assert ReaderConfig().as_dict()["layouts"] == layouts_text(DEFAULT_LAYOUTS)
     with pytest.raises(ValueError, match="name:weight.*'kg_facts0.3'"):
         parse_layouts("kg_facts0.3")
+
+
+def test_the_adapted_reader_answers_only_the_layouts_it_was_trained_on():
+    """i-MedRAG's query-answer pairs and SEMA-RAG's evidence report are layouts the adapter never saw (it
+    answered no i-MedRAG question in form: asked again 1.00): those methods keep the base reader."""
+    from medgraph.eval.readers import ADAPTED_LAYOUTS, base_reader_only
+    from medgraph.rl.reader import LAYOUTS
+
+    assert set(ADAPTED_LAYOUTS.values()) == {*LAYOUTS, "no evidence"}
+    assert [base_reader_only(name) for name in ("rag", "rag-kg", "cot", "oracle-evidence", "a2rag-no-hiim")] == \
+        [None] * 5
+    for name in ("irag", "sema-rag", "sema-rag-no-early-stop"):
+        assert "not trained on" in base_reader_only(name)

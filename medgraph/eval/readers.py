@@ -27,6 +27,13 @@ def split_reader(label: str) -> tuple[str, str]:
     return name, reader or "base"
 
 
+# The answering-call layout of each method the adapted reader is trained to read (`medgraph.rl.reader.LAYOUTS`,
+# and its no-evidence examples for `cot`). Another method's answering call (i-MedRAG's query-answer pairs,
+# SEMA-RAG's evidence report) is a layout it never saw: it answers none of them in form and is asked again.
+ADAPTED_LAYOUTS = {"oracle-evidence": "kg_facts", "rag-kg": "rag_kg", "rag": "documents", "a2rag": "a2rag",
+                   "cot": "no evidence"}
+
+
 def base_reader_only(name: str) -> str | None:
     """Why a method or ablation runs with the base reader only, or None when the adapted reader can answer it."""
     method = method_of(name)
@@ -35,6 +42,9 @@ def base_reader_only(name: str) -> str | None:
     if method == "a2rag" and getattr(make_config(name), "use_hiim", False):
         return ("HIIM's graph tokens were fitted to the base reader (models/hiim_projector); "
                 "a2rag-no-hiim@adapted is A2RAG's adapted-reader row")
+    if method not in ADAPTED_LAYOUTS:
+        return (f"the reader adapter is not trained on {method}'s answering call (its layouts: "
+                f"{', '.join(sorted(set(ADAPTED_LAYOUTS.values())))})")
     return None
 
 
