@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from medgraph.embed.encoder import load_encoder
-from medgraph.eval.gsrm import gsrm_recall_curves, link_entities, measurable_items, question_type
+from medgraph.eval.gsrm import gsrm_recall_curves, link_entities, measurable_items
 from medgraph.methods.tools import KnowledgeTools
 from medgraph.qa.mirage import load_mirage
 from medgraph.retrieval import Retriever
@@ -47,7 +47,7 @@ def main() -> None:
     items = measurable_items(load_mirage(args.home / "qa" / f"qa_items.{args.split}.json"))
     by_type: dict[str, list] = {}
     for item in items:
-        by_type.setdefault(question_type(item), []).append(item)
+        by_type.setdefault(str(item.extra.get("question_type") or "other"), []).append(item)
     wanted = set(args.types.split(",")) if args.types else set(by_type)
     by_type = {kind: group[: args.limit] for kind, group in sorted(by_type.items()) if kind in wanted}
     with Retriever(warehouse, load_encoder("minilm")) as linker:

@@ -273,7 +273,7 @@ def evaluation_report(context: dg.AssetExecutionContext, config: ReportConfig, w
             else "none registered"
     for key, field in (("graph-r1 policy", "graph_r1_policy"), ("graph-r1 environment", "graph_r1_environment"),
                        ("GSRM tau", "gsrm_tau"), ("GSRM iterations K", "gsrm_iterations"), ("GSRM top N", "gsrm_top_n"),
-                       ("GSRM per question type", "gsrm_by_type"), ("GSRM parameters from", "gsrm_params_source")):
+                       ("GSRM per dataset", "gsrm_by_dataset"), ("GSRM parameters from", "gsrm_params_source")):
         asset = "eval_graph_r1" if field.startswith("graph_r1") else "eval_a2rag"
         value = _latest_metadata(context.instance, dg.AssetKey(["eval", asset]), field)
         if value is not None:

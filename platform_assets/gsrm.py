@@ -12,14 +12,14 @@ from medgraph.eval.gsrm import (
     RECALL_ITEMS_TABLE,
     RECALL_TABLE,
     choose_gsrm_params,
-    gsrm_recall_by_type,
+    gsrm_recall_by_dataset,
     gsrm_recall_table_rows,
     log_sweep,
     measurable_items,
     pooled_points,
     read_gsrm_params,
     recall_markdown,
-    sweep_gsrm_by_type,
+    sweep_gsrm_by_dataset,
     sweep_markdown,
     write_gsrm_params,
 )
@@ -59,13 +59,13 @@ def _items(home: Path, split: str, limit: int | None = None) -> list[QaItem]:
 def gsrm_params(context: dg.AssetExecutionContext, config: GsrmSweepConfig, warehouse: WarehouseResource,
                 encoder: EncoderResource, mlflow_tracking: MlflowResource) -> dg.MaterializeResult:
     """GSRM's tau, K and N chosen on the validation split by Recall@10 of the ranked triple list
-    (`medgraph.eval.gsrm.choose_gsrm_params`) for each question type apart (A2RAG uses its item's type's), and
-    over all types pooled (for items of no tuned type), written to `$MEDGRAPH_HOME/models/gsrm_params.json`."""
+    (`medgraph.eval.gsrm.choose_gsrm_params`) for each dataset apart (A2RAG uses its item's dataset's), and
+    over all datasets pooled (for items of another dataset), written to `$MEDGRAPH_HOME/models/gsrm_params.json`."""
     home = Path(warehouse.home)
     items = _items(home, "validation", config.limit)
     with Retriever(warehouse.get_warehouse(), encoder.load()) as retriever, \
             mlflow_tracking.start_asset_run(context, PARAMS_INPUTS) as run:
-        sweeps = sweep_gsrm_by_type(KnowledgeTools.with_home_cache(retriever, home), items, config.taus,
+        sweeps = sweep_gsrm_by_dataset(KnowledgeTools.with_home_cache(retriever, home), items, config.taus,
                                     config.iterations, config.top_ns, config.max_triples_per_relation,
                                     config.batch_size, progress=context.log.info)
         choices = {kind: choose_gsrm_params(sweep.points) for kind, sweep in sweeps.items()}
@@ -74,11 +74,11 @@ def gsrm_params(context: dg.AssetExecutionContext, config: GsrmSweepConfig, ware
         log_sweep(sweeps, choices, default, path)
         run_id = run.info.run_id
     chosen = "; ".join(f"{kind}: tau={c.tau:g} K={c.iterations} N={c.top_n} (n={c.n})" for kind, c in choices.items())
-    context.log.info(f"GSRM per type: {chosen}; pooled tau={default.tau} K={default.iterations} N={default.top_n}")
+    context.log.info(f"GSRM per dataset: {chosen}; pooled tau={default.tau} K={default.iterations} N={default.top_n}")
     return dg.MaterializeResult(
         metadata={"tau": default.tau, "iterations": default.iterations, "top_n": default.top_n,
                   "recall_at10": default.recall_at10, "recall_at_n": default.recall_at_n, "items": default.n,
-                  "by_type": chosen, "rule": default.rule, "note": default.note,
+                  "by_dataset": chosen, "rule": default.rule, "note": default.note,
                   "sweep": dg.MetadataValue.md(sweep_markdown(sweeps, choices)),
                   "seconds": round(sum(s.seconds for s in sweeps.values()), 1),
                   "path": dg.MetadataValue.path(str(path)), "mlflow_run_id": run_id},
@@ -102,7 +102,7 @@ class GsrmRecallConfig(dg.Config):
 def gsrm_recall(context: dg.AssetExecutionContext, config: GsrmRecallConfig, warehouse: WarehouseResource,
                 encoder: EncoderResource) -> dg.MaterializeResult:
     """Recall@10 and Recall@N of GSRM's ranked list for k = 0..max(K, 3) over every test item with gold
-    pairs, each question type with its tuned tau, K and N: tables `eval.gsrm_recall` (means, s.e., n per
+    pairs, each dataset with its tuned tau, K and N: tables `eval.gsrm_recall` (means, s.e., n per
     dataset and hop count, i.e. per type) and `eval.gsrm_recall_items`."""
     home = Path(warehouse.home)
     params = read_gsrm_params(home)
@@ -111,7 +111,7 @@ def gsrm_recall(context: dg.AssetExecutionContext, config: GsrmRecallConfig, war
     items = _items(home, "test", config.limit)
     store = warehouse.get_warehouse()
     with Retriever(store, encoder.load()) as retriever:
-        curves = gsrm_recall_by_type(KnowledgeTools.with_home_cache(retriever, home), items, params,
+        curves = gsrm_recall_by_dataset(KnowledgeTools.with_home_cache(retriever, home), items, params,
                                      config.min_iterations, config.batch_size, progress=context.log.info)
     rows, item_rows = gsrm_recall_table_rows(curves)
     write_partition(store, RECALL_TABLE, "test", rows)

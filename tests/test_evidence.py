@@ -113,14 +113,21 @@ class OnesTokenizer:
         return torch.ones(len(triples), GraphTokenModel.hidden_size)
 
 
-def test_a2rag_counts_the_triples_given_as_graph_tokens_beyond_the_text_context(tools: KnowledgeTools):
+def test_a2rag_counts_as_seen_the_text_it_showed_and_its_graph_tokens_apart(tools: KnowledgeTools):
+    """"Gold fact seen" is what the answering call showed as text (the first `context_triples`); the triples
+    that reached the model only as graph tokens are their own measure, `gold_fact_in_graph_tokens`."""
     config = make_config("a2rag-no-awc", {"iterations": 1, "max_triples_per_relation": 3, "top_n": 20,
                                            "context_triples": 2})
     (text_only,) = run_method("a2rag", [TREAT], tools, ScriptedChatModel(answer_a), config)
     (tokens,) = run_method("a2rag", [TREAT], tools, GraphTokenModel(answer_a), config, graph_tokenizer=OnesTokenizer())
     retrieved = text_only.steps[0].retrieved_ids
     assert list(text_only.evidence.triples) == retrieved[:2] == text_only.steps[-1].retrieved_ids
-    assert tokens.stats["hiim"] == "graph-tokens" and set(tokens.evidence.triples) == set(retrieved)
+    assert tokens.stats["hiim"] == "graph-tokens" and list(tokens.evidence.triples) == retrieved[:2]
+    assert set(tokens.evidence.graph_tokens) == set(retrieved) and not text_only.evidence.graph_tokens
+    assert tokens.gold_fact_seen == text_only.gold_fact_seen
+    gold_edge = {f"{src}|{relation}|{dst}" for src, relation, dst in tokens.evidence.graph_tokens.values()} & set(GOLD_FACT)
+    assert tokens.stats["gold_fact_in_graph_tokens"] == float(bool(gold_edge))
+    assert "gold_fact_in_graph_tokens" not in text_only.stats
     assert text_only.evidence.chunks  # the fixed plan also searched the text
 
 

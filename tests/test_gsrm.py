@@ -145,15 +145,16 @@ def test_a2rag_evaluation_uses_the_tuned_values_unless_method_config_overrides_t
     overrides, lineage = with_tuned_gsrm(params, ["a2rag", "a2rag-no-hiim"], {"a2rag-no-hiim": {"tau": 0.3}})
     assert overrides == {"a2rag": {"tau": 0.6, "iterations": 1, "top_n": 20},
                          "a2rag-no-hiim": {"tau": 0.3, "iterations": 1, "top_n": 20}}
-    assert lineage == {"gsrm_tau": 0.6, "gsrm_iterations": 1, "gsrm_top_n": 20, "gsrm_by_type": "none (one tau/K/N)",
+    assert lineage == {"gsrm_tau": 0.6, "gsrm_iterations": 1, "gsrm_top_n": 20, "gsrm_by_dataset": "none (one tau/K/N)",
                        "gsrm_params_source": "models/gsrm_params (validation, n=40)"}
-    by_type = {**params, "by_type": {"short_2hop": {"tau": 0.4, "iterations": 2, "top_n": 50}}}
-    overrides, lineage = with_tuned_gsrm(by_type, ["a2rag"], {})
+    by_dataset = {**params, "by_dataset": {"kgqa_short": {"tau": 0.4, "iterations": 2, "top_n": 50}}}
+    overrides, lineage = with_tuned_gsrm(by_dataset, ["a2rag"], {})
     config = make_config("a2rag", overrides["a2rag"])
-    assert config.gsrm_by_type == (("short_2hop", 0.4, 2, 50),) and lineage["gsrm_by_type"] == "short_2hop: tau=0.4 K=2 N=50"
-    short_2hop = QaItem("kgqa_short", "s", "?", {}, "x", extra={"question_type": "short_2hop"})
-    other = QaItem("kgqa_mc", "m", "?", {}, "x", extra={"question_type": "mc"})
-    assert config.gsrm_for(short_2hop) == (0.4, 2, 50) and config.gsrm_for(other) == (0.6, 1, 20)
+    assert config.gsrm_by_dataset == (("kgqa_short", 0.4, 2, 50),)
+    assert lineage["gsrm_by_dataset"] == "kgqa_short: tau=0.4 K=2 N=50"
+    short = QaItem("kgqa_short", "s", "?", {}, "x")
+    other = QaItem("kgqa_mc", "m", "?", {}, "x", extra={"question_type": "kgqa_short"})  # a gold field: not read
+    assert config.gsrm_for(short) == (0.4, 2, 50) and config.gsrm_for(other) == (0.6, 1, 20)
     _, explicit = with_tuned_gsrm(params, ["a2rag"], {"a2rag": {"tau": 0.45}})
     assert explicit["gsrm_tau"] == 0.45 and explicit["gsrm_params_source"] == \
         "models/gsrm_params (validation, n=40) + method_config"
@@ -187,18 +188,18 @@ def test_gsrm_assets_tune_on_validation_and_measure_every_test_item(gsrm_home: P
     validation = measurable_items(load_mirage(gsrm_home / "qa" / "qa_items.validation.json"), 6)
     assert params["n"] == len(validation) > 0 and params["split"] == "validation"
     assert params["grid"]["taus"] == [0.5, 1.01]
-    types = {i.extra["question_type"] for i in validation}
-    assert set(params["by_type"]) == types  # each type tuned apart, on its own validation items
-    for kind, chosen in params["by_type"].items():
-        assert chosen["n"] == sum(i.extra["question_type"] == kind for i in validation)
+    datasets = {i.dataset for i in validation}
+    assert set(params["by_dataset"]) == datasets  # each dataset tuned apart, on its own validation items
+    for name, chosen in params["by_dataset"].items():
+        assert chosen["n"] == sum(i.dataset == name for i in validation)
         assert len(chosen["points"]) == 2 * 2 * 2
         assert chosen["recall_at10"] == max(p["recall_at10"] for p in chosen["points"])
     assert params["tau"] in (0.5, 1.01) and params["top_n"] in (10, 20)
     (materialization,) = result.asset_materializations_for_node("models__gsrm_params")
     metadata = materialization.metadata
-    assert metadata["tau"].value == params["tau"] and "| type | tau | K | N |" in metadata["sweep"].value
+    assert metadata["tau"].value == params["tau"] and "| dataset | tau | K | N |" in metadata["sweep"].value
     run = resources["mlflow_tracking"].tracking().client.get_run(metadata["mlflow_run_id"].value)
-    kind = sorted(types)[0]
+    kind = sorted(datasets)[0]
     assert {"chosen_tau", "recall_at10", f"{kind}/recall_at10_tau0.5", f"{kind}/chosen_tau"} <= set(run.data.metrics)
     artifacts = {a.path for a in resources["mlflow_tracking"].tracking().client.list_artifacts(run.info.run_id)}
     assert {"gsrm_params.json", "recall_at10_by_iteration.png"} <= artifacts
@@ -206,7 +207,7 @@ def test_gsrm_assets_tune_on_validation_and_measure_every_test_item(gsrm_home: P
     test_items = measurable_items(load_mirage(gsrm_home / "qa" / "qa_items.test.json"), 5)
     rows = gsrm_recall_rows(WarehouseResource(home=str(gsrm_home)).get_warehouse())
     assert {r["iteration"] for r in rows} == {0, 1, 2, 3}  # k = 0..max(K, 3): the seed claims need K=2 and K=3
-    assert {r["cutoff"] for r in rows} == {10} | {v["top_n"] for v in params["by_type"].values()}
+    assert {r["cutoff"] for r in rows} == {10} | {v["top_n"] for v in params["by_dataset"].values()}
     per_hops = [r for r in rows if r["dataset"] == "all" and r["iteration"] == 0 and r["cutoff"] == 10]
     assert sum(r["n"] for r in per_hops if r["hops"] is not None) == len(test_items) > 0
     (overall,) = [r for r in per_hops if r["hops"] is None]
@@ -218,8 +219,8 @@ def test_gsrm_assets_tune_on_validation_and_measure_every_test_item(gsrm_home: P
                                "eval.gsrm_recall_items").fetchone()
         taus = dict(con.execute("SELECT qid, any_value(tau) FROM eval.gsrm_recall_items GROUP BY qid").fetchall())
     assert per_item == (len(test_items), len(test_items) * 4)  # k = 0..3
-    tuned = {kind: v["tau"] for kind, v in params["by_type"].items()}
-    assert all(taus[i.qid] == tuned.get(i.extra["question_type"], params["tau"]) for i in test_items)
+    tuned = {kind: v["tau"] for kind, v in params["by_dataset"].items()}
+    assert all(taus[i.qid] == tuned.get(i.dataset, params["tau"]) for i in test_items)
     (recall,) = result.asset_materializations_for_node("eval__gsrm_recall")
     assert recall.metadata["items"].value == len(test_items) and "k=2" in recall.metadata["recall"].value
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -29,11 +30,12 @@ from medgraph.methods import (
     score_answer,
     trace_rows,
 )
-from medgraph.methods.a2rag import A2Rag, A2RagConfig, gsrm_refine, parse_tool_choice
+from medgraph.methods.a2rag import A2Rag, A2RagConfig, gsrm_refine, parse_tool_choice, record_gold_recall
 from medgraph.methods.common import token_f1
 from medgraph.methods.graph_r1 import GraphR1Config, GraphR1Env, is_well_formed, parse_action, restore_stop
+from medgraph.methods.registry import ABLATIONS, METHODS, method_of
 from medgraph.methods.sema_rag import parse_judgment, parse_schema
-from medgraph.qa.item import QaItem
+from medgraph.qa.item import QaItem, as_asked, gold_edge_ids
 from medgraph.retrieval import Retriever
 from medgraph.storage import Warehouse
 
@@ -305,7 +307,9 @@ def test_t_kg_records_recall_of_the_gold_path_when_it_is_known(tools: KnowledgeT
     known = QaItem("test", "gold", MECHANISM.question, {}, "x", extra={"gold_path": [treats.edge_id]})
     unreachable = QaItem("test", "far", MECHANISM.question, {}, "x", extra={"gold_path": [elsewhere.edge_id]})
     a2rag = A2Rag(tools, ScriptedChatModel([]), A2RagConfig(retrieval="one_hop", top_n=500))
-    found, missed, unknown = a2rag.knowledge_graph([known, unreachable, MECHANISM])
+    items = [known, unreachable, MECHANISM]
+    found, missed, unknown = a2rag.knowledge_graph(items)
+    record_gold_recall(tools, [found, missed, unknown], [gold_edge_ids(item) for item in items])
     assert (found.gold_recall, found.recall_atN_by_iteration) == (1.0, [1.0])
     assert (missed.gold_recall, missed.recall_atN_by_iteration) == (0.0, [0.0])
     assert unknown.gold_recall is None
@@ -320,6 +324,7 @@ def test_gsrm_recall_by_iteration_shows_when_a_two_hop_gold_path_is_reached(tool
     a2rag = A2Rag(tools, ScriptedChatModel([]), A2RagConfig(tau=-1.0, iterations=1, top_n=500,
                                                             max_triples_per_relation=3))
     (result,) = a2rag.knowledge_graph([item])
+    record_gold_recall(tools, [result], [gold_edge_ids(item)])
     assert result.recall_atN_by_iteration == [0.5, 1.0] and result.stats()["gsrm_recall_atN_by_iteration"] == [0.5, 1.0]
 
 
@@ -820,3 +825,114 @@ def test_a_reader_takes_the_answering_call_and_nothing_else(tools: KnowledgeTool
         return
     assert to_agent == calls_alone[:-1] and to_reader == calls_alone[-1:]
     assert result_alone.prediction == "A" and result.prediction == "B"
+
+
+# --------------------------------------------------------------------------- methods are blind to gold
+# Every built-in method and ablation runs twice on the same questions with a scripted model that uses the tools
+# (A2RAG routes to the graph, Graph-R1 searches, SEMA-RAG asks for more rounds): once on the items, once on
+# copies whose answers, gold paths, facts, pairs, hop counts, question types, answer concepts and PMIDs are
+# scrambled. Everything the model was asked and everything each method retrieved and answered must be the same.
+# The reading ceiling (`oracle-evidence`) is built from gold, and must change: the scramble is real.
+
+INSULIN, SALBUTAMOL, ASPIRIN = "C0021641", "C0001927", "C0004057"
+SEEN_BY_METHODS = {"seed_cuis", "option_cuis"}
+
+
+def _gold_items(tools: KnowledgeTools) -> list[QaItem]:
+    graph = tools.retriever.graph
+    treats = next(t for t in graph.one_hop([AMLODIPINE]) if t.dst_cui == HYPERTENSION)
+    other = next(t for t in graph.one_hop([HYPERTENSION]) if t.dst_cui != AMLODIPINE)
+    gold = {"question_type": "mc", "hops": 1, "gold_path": [treats.edge_id], "answer_cuis": [AMLODIPINE],
+            "gold_pairs": [[AMLODIPINE, HYPERTENSION]],
+            "gold_facts": [[f"{AMLODIPINE}|may_treat|{HYPERTENSION}", f"{HYPERTENSION}|may_be_treated_by|{AMLODIPINE}"]]}
+    treat = QaItem("kgqa_mc", "treat", "Which of the following may treat Hypertension?",
+                   {"A": "amlodipine", "B": "salbutamol", "C": "insulin", "D": "aspirin"}, "A", pmids=("123",),
+                   extra={**gold, "seed_cuis": [HYPERTENSION], "option_cuis": [AMLODIPINE, SALBUTAMOL, INSULIN, ASPIRIN]})
+    mechanism = QaItem("kgqa_short", "mechanism", "What is the mechanism of action of amlodipine?", {},
+                       "Calcium Channel Antagonists", acceptable_answers=("calcium channel blocker",),
+                       extra={**gold, "question_type": "short_1hop", "gold_path": [other.edge_id],
+                              "seed_cuis": [AMLODIPINE]})
+    return [treat, mechanism]
+
+
+def _scrambled(item: QaItem, other: QaItem) -> QaItem:
+    """The item with every gold field replaced: the other item's, or a wrong answer."""
+    answer = next((letter for letter in item.options if letter != item.answer), "Insulin")
+    swapped = {key: value for key, value in other.extra.items() if key not in SEEN_BY_METHODS}
+    return replace(item, answer=answer, acceptable_answers=("something else",), pmids=("999",),
+                   extra={**{k: v for k, v in item.extra.items() if k in SEEN_BY_METHODS}, **swapped,
+                          "hops": 2, "question_type": "mc_2hop"})
+
+
+def _tool_using_script() -> ScriptedChatModel:
+    def reply(conversation: Conversation) -> str:
+        first, last = conversation[0].content, conversation[-1].content
+        turns = sum(m.role == "assistant" for m in conversation)
+        if "Action:" in first:  # A2RAG's AWC: the graph, then the text, then answer
+            return ["Action: T_KG", "Action: T_Text\nQuery: amlodipine", "Action: T_Final"][min(turns, 2)]
+        if "<search>" in first:  # Graph-R1's policy
+            return ["<think>find</think><search>hypertension", "<think>edges</think><traverse>C0020538",
+                    "<think>done</think><answer>A"][min(turns, 2)]
+        if "You are a clinical information specialist" in last:
+            return '{"intent": "treatment", "entities": ["Hypertension"], "constraints": [], "query": "hypertension"}'
+        if "You are an evidence reviewer" in last:
+            return '{"sufficient": false, "gap": "dosing", "queries": ["amlodipine dose"]}'
+        if "evidence report" in last:
+            return "Sources [1] and [2] say amlodipine treats hypertension."
+        return "<answer>A</answer>"
+    return ScriptedChatModel(reply)
+
+
+def _what_it_did(name: str, items: list[QaItem], tools: KnowledgeTools) -> tuple[list, list]:
+    overrides = {"iterations": 1, "max_triples_per_relation": 3, "top_n": 20,
+                 "gsrm_by_dataset": [["kgqa_mc", 0.6, 1, 10]]} if method_of(name) == "a2rag" else None
+    if method_of(name) == "sema-rag":
+        overrides = {"max_rounds": 2}
+    llm = _tool_using_script()
+    results = run_method(name, items, tools, llm, make_config(name, overrides))
+    done = [(r.prediction, r.truncated, r.extra_answer_call,
+             [(s.action, s.arguments, s.retrieved_ids, s.output, s.observation, s.notes) for s in r.steps])
+            for r in results]
+    return llm.calls, done
+
+
+BLIND = sorted(name for name in (*METHODS, *ABLATIONS) if not METHODS[method_of(name)].reads_gold)
+
+
+@pytest.mark.parametrize("name", BLIND)
+def test_a_method_does_the_same_whatever_the_gold_fields_say(tools: KnowledgeTools, name: str):
+    items = _gold_items(tools)
+    scrambled = [_scrambled(items[0], items[1]), _scrambled(items[1], items[0])]
+    assert scrambled != items
+    asked, asked_scrambled = _what_it_did(name, items, tools), _what_it_did(name, scrambled, tools)
+    assert asked_scrambled == asked
+
+
+def test_the_reading_ceiling_reads_gold_so_the_scramble_reaches_it(tools: KnowledgeTools):
+    items = _gold_items(tools)
+    scrambled = [_scrambled(items[0], items[1]), _scrambled(items[1], items[0])]
+    assert _what_it_did("oracle-evidence", items, tools)[0] != _what_it_did("oracle-evidence", scrambled, tools)[0]
+
+
+def test_methods_are_scored_against_the_gold_they_never_saw(tools: KnowledgeTools):
+    items = _gold_items(tools)
+    (result,) = run_method("cot", items[:1], tools, _tool_using_script())
+    assert (result.prediction, result.answer, result.correct) == ("A", "A", True)
+    (wrong,) = run_method("cot", [replace(items[0], answer="B")], tools, _tool_using_script())
+    assert (wrong.prediction, wrong.answer, wrong.correct) == ("A", "B", False)
+
+
+def test_an_item_as_asked_keeps_the_question_and_drops_everything_derived_from_the_answer(tools: KnowledgeTools):
+    treat = _gold_items(tools)[0]
+    asked = as_asked(treat)
+    assert (asked.question, asked.options, asked.dataset, asked.qid) == (treat.question, treat.options,
+                                                                         treat.dataset, treat.qid)
+    assert (asked.answer, asked.acceptable_answers, asked.pmids) == ("", (), ())
+    assert set(asked.extra) == SEEN_BY_METHODS
+
+
+def test_a2rags_gsrm_recall_of_the_gold_path_is_measured_after_the_run(tools: KnowledgeTools):
+    items = _gold_items(tools)
+    config = make_config("a2rag-no-awc", {"retrieval": "one_hop", "top_n": 500})
+    found, _ = run_method("a2rag-no-awc", items, tools, _tool_using_script(), config)
+    assert found.stats["gsrm_gold_recall"] == 1.0 and found.stats["gsrm_recall_atN_by_iteration"] == [1.0]

@@ -75,7 +75,7 @@ def test_report_shows_evidence_recall_paired_differences_gsrm_recall_and_seed_cl
     assert html.count("data:image/png;base64,") >= 5  # accuracy, evidence, forest, gsrm, cost
 
 
-def test_report_shows_the_shortcut_table_the_reading_check_and_gsrm_per_question_type(tmp_path: Path):
+def test_report_shows_the_shortcut_table_the_reading_check_and_gsrm_per_dataset(tmp_path: Path):
     from medgraph.eval.report import reading_check
 
     shortcuts = [{"dataset": "kgqa_mc", "split": "test", "rule": rule, "accuracy": value, "n": 88, "chance": 0.25,
@@ -91,7 +91,7 @@ def test_report_shows_the_shortcut_table_the_reading_check_and_gsrm_per_question
     assert reading == [{"method": "a2rag", "dataset": "kgqa_mc", "shown_accuracy": 0.75, "shown_n": 4,
                         "hidden_accuracy": 0.25, "hidden_n": 4, "oracle_accuracy": 0.75, "oracle_n": 8}]
     params = {"tau": 0.6, "iterations": 0, "top_n": 50, "recall_at10": 0.8, "recall_at_n": 0.9, "n": 80, "note": "",
-              "by_type": {"short_2hop": {"tau": 0.5, "iterations": 1, "top_n": 50, "recall_at10": 0.45,
+              "by_dataset": {"kgqa_short": {"tau": 0.5, "iterations": 1, "top_n": 50, "recall_at10": 0.45,
                                          "recall_at_n": 0.8, "n": 16, "note": ""}}}
     data = ReportData([summary("a2rag", 0.5)], {"LLM": "x"}, shortcuts=shortcuts, reading=reading, gsrm_params=params)
     markdown = build_report(data, tmp_path)["markdown"].read_text(encoding="utf-8")
@@ -99,6 +99,6 @@ def test_report_shows_the_shortcut_table_the_reading_check_and_gsrm_per_question
     assert "| kgqa_mc | test | 88 | 0.250 | 0.270 | 0.250 | 0.280 | 0.247 | 1.000 |" in table
     check = markdown.split("## Reading check")[1].split("## ")[0]
     assert "| a2rag | kgqa_mc | 0.750 | 4 | 0.250 | 4 | 0.750 | 8 |" in check
-    gsrm = markdown.split("## GSRM parameters chosen per question type")[1].split("## ")[0]
-    assert "| short_2hop | 0.500 | 1 | 50 | 0.450 | 0.800 | 16 |" in gsrm
+    gsrm = markdown.split("## GSRM parameters chosen per dataset")[1].split("## ")[0]
+    assert "| kgqa_short | 0.500 | 1 | 50 | 0.450 | 0.800 | 16 |" in gsrm
     assert "| pooled (other items) | 0.600 | 0 | 50 | 0.800 | 0.900 | 80 |" in gsrm

@@ -135,7 +135,7 @@ def method_statistics(results: Sequence[MethodResult]) -> dict[str, float]:
         flags = [bool(r.stats[key]) for r in results if key in r.stats]
         if flags:
             stats[name] = float(np.mean(flags))
-    for key in ("gsrm_gold_recall", "gsrm_iterations", "gsrm_returned"):
+    for key in ("gsrm_gold_recall", "gsrm_iterations", "gsrm_returned", "gold_fact_in_graph_tokens"):
         values = [float(r.stats[key]) for r in results if r.stats.get(key) is not None]
         if values:
             stats[f"{key}_mean"] = float(np.mean(values))

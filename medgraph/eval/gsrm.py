@@ -105,20 +105,20 @@ def gsrm_recall_curves(tools: KnowledgeTools, items: Sequence[QaItem], tau: floa
     return curves
 
 
-def gsrm_recall_by_type(tools: KnowledgeTools, items: Sequence[QaItem], params: Mapping[str, object],
+def gsrm_recall_by_dataset(tools: KnowledgeTools, items: Sequence[QaItem], params: Mapping[str, object],
                         min_iterations: int = 3, batch_size: int = 64,
                         progress: Callable[[str], None] | None = None) -> list[ItemCurve]:
-    """Recall@10 and Recall@N at k = 0..max(K, min_iterations) for each measurable item, each question type
-    with its own tuned tau, K and N (the pooled choice for a type that was not tuned)."""
-    by_type = params_by_type(params)
+    """Recall@10 and Recall@N at k = 0..max(K, min_iterations) for each measurable item, each dataset with its
+    own tuned tau, K and N (the pooled choice for a dataset that was not tuned)."""
+    by_dataset = params_by_dataset(params)
     default = (float(params["tau"]), int(params["iterations"]), int(params["top_n"]))
     hub_guard = params.get("max_triples_per_relation", A2RagConfig.max_triples_per_relation)
     groups: dict[str, list[QaItem]] = {}
     for item in measurable_items(items):
-        groups.setdefault(question_type(item), []).append(item)
+        groups.setdefault(item.dataset, []).append(item)
     curves: list[ItemCurve] = []
-    for kind, group in sorted(groups.items()):
-        tau, iterations, top_n = by_type.get(kind, default)
+    for dataset, group in sorted(groups.items()):
+        tau, iterations, top_n = by_dataset.get(dataset, default)
         curves += gsrm_recall_curves(tools, group, tau, max(iterations, min_iterations),
                                      sorted({RECALL_CUTOFF, top_n}), hub_guard, batch_size, progress=progress)
     return curves
@@ -208,27 +208,22 @@ def sweep_gsrm(tools: KnowledgeTools, items: Sequence[QaItem], taus: Sequence[fl
                      per_relation_limit, grid)
 
 
-def question_type(item: QaItem) -> str:
-    """The KG question type GSRM is tuned for (mc, mc_2hop, yesno, short_1hop, short_2hop); "other" for
-    items that carry none (MIRAGE, PubMedQA), which use the pooled choice."""
-    return str(item.extra.get("question_type") or "other")
-
-
-def sweep_gsrm_by_type(tools: KnowledgeTools, items: Sequence[QaItem], taus: Sequence[float] = DEFAULT_TAUS,
+def sweep_gsrm_by_dataset(tools: KnowledgeTools, items: Sequence[QaItem], taus: Sequence[float] = DEFAULT_TAUS,
                        iterations: Sequence[int] = DEFAULT_ITERATIONS, top_ns: Sequence[int] = DEFAULT_TOP_NS,
                        per_relation_limit: int | None = A2RagConfig.max_triples_per_relation, batch_size: int = 64,
                        progress: Callable[[str], None] | None = None) -> dict[str, GsrmSweep]:
-    """`sweep_gsrm` on each question type's items apart: refinement can only act where the gold fact is
-    not already in G_0 (2-hop short answers), and pooling types would hide that."""
+    """`sweep_gsrm` on each dataset's items apart: refinement can only act where the gold fact is not already
+    in G_0 (2-hop short answers), and pooling datasets would hide that. Not per question type: A2RAG cannot
+    tell a 1-hop question from a 2-hop one without the gold path."""
     by_type: dict[str, list[QaItem]] = {}
     for item in measurable_items(items):
-        by_type.setdefault(question_type(item), []).append(item)
+        by_type.setdefault(item.dataset, []).append(item)
     return {kind: sweep_gsrm(tools, group, taus, iterations, top_ns, per_relation_limit, batch_size, progress)
             for kind, group in sorted(by_type.items())}
 
 
 def pooled_points(sweeps: Mapping[str, GsrmSweep]) -> list[SweepPoint]:
-    """The grid over every type's items together (each type's means weighted by its n)."""
+    """The grid over every dataset's items together (each dataset's means weighted by its n)."""
     groups: dict[tuple[float, int, int], list[SweepPoint]] = {}
     for sweep in sweeps.values():
         for p in sweep.points:
@@ -256,8 +251,8 @@ def choose_gsrm_params(points: Sequence[SweepPoint], tolerance: float = TOP_N_TO
 
 
 def sweep_markdown(sweeps: Mapping[str, GsrmSweep], choices: Mapping[str, GsrmChoice]) -> str:
-    """Every type's grid as one Markdown table, each type's chosen point marked."""
-    lines = ["| type | tau | K | N | Recall@10 | Recall@N | n | chosen |", "|---|---|---|---|---|---|---|---|"]
+    """Every dataset's grid as one Markdown table, each dataset's chosen point marked."""
+    lines = ["| dataset | tau | K | N | Recall@10 | Recall@N | n | chosen |", "|---|---|---|---|---|---|---|---|"]
     for kind, sweep in sweeps.items():
         choice = choices[kind]
         for p in sweep.points:
@@ -269,7 +264,7 @@ def sweep_markdown(sweeps: Mapping[str, GsrmSweep], choices: Mapping[str, GsrmCh
 
 
 def sweep_figure(sweeps: Mapping[str, GsrmSweep]):  # -> matplotlib Figure
-    """Recall@10 against k, one panel per question type, one line per tau."""
+    """Recall@10 against k, one panel per dataset, one line per tau."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -290,8 +285,8 @@ def sweep_figure(sweeps: Mapping[str, GsrmSweep]):  # -> matplotlib Figure
 
 def log_sweep(sweeps: Mapping[str, GsrmSweep], choices: Mapping[str, GsrmChoice], default: GsrmChoice,
               params_file: Path) -> None:
-    """Into the active MLflow run: the grid (params), each type's Recall@c-by-k curve per tau and cutoff
-    (metric `<type>/recall_at<c>_tau<tau>`, step k), each type's choice and the pooled default, the parameters
+    """Into the active MLflow run: the grid (params), each dataset's Recall@c-by-k curve per tau and cutoff
+    (metric `<dataset>/recall_at<c>_tau<tau>`, step k), each dataset's choice and the pooled default, the parameters
     file and the Recall@10 plot."""
     import mlflow
 
@@ -326,21 +321,21 @@ def params_path(home: Path) -> Path:
 def write_gsrm_params(home: Path, default: GsrmChoice, sweeps: Mapping[str, GsrmSweep],
                       choices: Mapping[str, GsrmChoice]) -> Path:
     """`$MEDGRAPH_HOME/models/gsrm_params.json` (atomically): the pooled choice (items of no tuned type use it),
-    and under `by_type` each question type's choice, its n and its grid points."""
+    and under `by_dataset` each dataset's choice, its n and its grid points."""
     first = next(iter(sweeps.values()), None)
     payload = {**asdict(default), "split": "validation", "grid": first.grid if first else {},
                "max_triples_per_relation": first.max_triples_per_relation if first else None,
-               "by_type": {kind: {**asdict(choices[kind]), "points": [asdict(p) for p in sweeps[kind].points]}
+               "by_dataset": {kind: {**asdict(choices[kind]), "points": [asdict(p) for p in sweeps[kind].points]}
                            for kind in sweeps},
                "seconds": round(sum(s.seconds for s in sweeps.values()), 1),
                "triples_encoded": max((s.triples_encoded for s in sweeps.values()), default=0)}
     return write_atomically(params_path(home), json.dumps(payload, indent=2))
 
 
-def params_by_type(params: Mapping[str, object] | None) -> dict[str, tuple[float, int, int]]:
-    """question type -> (tau, K, N) from a gsrm_params.json payload ({} without one, or without `by_type`)."""
-    by_type = (params or {}).get("by_type") or {}
-    return {kind: (float(v["tau"]), int(v["iterations"]), int(v["top_n"])) for kind, v in by_type.items()}
+def params_by_dataset(params: Mapping[str, object] | None) -> dict[str, tuple[float, int, int]]:
+    """dataset -> (tau, K, N) from a gsrm_params.json payload ({} without one, or without `by_dataset`)."""
+    by_dataset = (params or {}).get("by_dataset") or {}
+    return {name: (float(v["tau"]), int(v["iterations"]), int(v["top_n"])) for name, v in by_dataset.items()}
 
 
 def read_gsrm_params(home: Path) -> dict[str, object] | None:
@@ -355,7 +350,7 @@ def read_gsrm_params(home: Path) -> dict[str, object] | None:
 def gsrm_recall_table_rows(curves: Sequence[ItemCurve]) -> tuple[list[dict], list[dict]]:
     """(`eval.gsrm_recall` rows, `eval.gsrm_recall_items` rows). The first has the mean Recall@c and its
     standard error over the items of each (dataset, hops) — one question type each —, iteration and cutoff,
-    with the tau and N that type was measured with; plus `dataset = "all"` rows over every dataset per hops
+    with the tau and N the dataset was measured with; plus `dataset = "all"` rows over every dataset per hops
     and, with `hops` NULL, over 1- and 2-hop items together (tau NaN where types with another tau mix)."""
     item_rows = [{"qid": c.qid, "dataset": c.dataset, "hops": c.hops, "iteration": k, "cutoff": cutoff,
                   "recall": float(value), "tau": c.tau, "top_n": c.top_n}
@@ -407,37 +402,37 @@ GSRM_FIELDS = {"tau": "gsrm_tau", "iterations": "gsrm_iterations", "top_n": "gsr
 
 def with_tuned_gsrm(params: Mapping[str, object] | None, methods: Sequence[str],
                     overrides: Mapping[str, Mapping[str, object]]) -> tuple[dict[str, dict[str, object]], dict[str, object]]:
-    """(overrides, lineage): the tuned tau, K and N (pooled, and per question type) under every A2RAG method or
+    """(overrides, lineage): the tuned tau, K and N (pooled, and per dataset) under every A2RAG method or
     ablation in `methods`, explicit `overrides` winning field by field; the lineage says what the first of them
     runs with and where it came from (`gsrm_params_source`: "models/gsrm_params", "method_config", both, or
     the defaults)."""
     merged = {name: dict(values) for name, values in overrides.items()}
     a2rag = [m for m in methods if method_of(m) == "a2rag"]
     tuned: dict[str, object] = {key: params[key] for key in GSRM_FIELDS if params and key in params}
-    if params_by_type(params):
-        tuned["gsrm_by_type"] = [[kind, *values] for kind, values in sorted(params_by_type(params).items())]
+    if params_by_dataset(params):
+        tuned["gsrm_by_dataset"] = [[kind, *values] for kind, values in sorted(params_by_dataset(params).items())]
     for method in a2rag:
         merged[method] = {**tuned, **merged.get(method, {})}
     if not a2rag:
         return merged, {}
     first = a2rag[0]
     config = make_config(first, merged.get(first))
-    explicit = set(overrides.get(first, {})) & {*GSRM_FIELDS, "gsrm_by_type"}
+    explicit = set(overrides.get(first, {})) & {*GSRM_FIELDS, "gsrm_by_dataset"}
     sources = ([f"models/gsrm_params (validation, n={params.get('n')})"] if set(tuned) - explicit else []) + \
               (["method_config"] if explicit else [])
     lineage: dict[str, object] = {label: getattr(config, key) for key, label in GSRM_FIELDS.items()}
-    lineage["gsrm_by_type"] = "; ".join(f"{kind}: tau={tau:g} K={k} N={n}"
-                                        for kind, tau, k, n in config.gsrm_by_type) or "none (one tau/K/N)"
+    lineage["gsrm_by_dataset"] = "; ".join(f"{kind}: tau={tau:g} K={k} N={n}"
+                                        for kind, tau, k, n in config.gsrm_by_dataset) or "none (one tau/K/N)"
     lineage["gsrm_params_source"] = " + ".join(sources) or "A2RagConfig defaults (no models/gsrm_params.json)"
     return merged, lineage
 
 
 def tuned_a2rag_config(home: Path) -> A2RagConfig:
-    """A2RAG's configuration with the tau, K and N that models/gsrm_params chose, pooled and per question type
+    """A2RAG's configuration with the tau, K and N that models/gsrm_params chose, pooled and per dataset
     (the defaults without it), so that whatever trains on A2RAG's retrieval (the HIIM projector) sees what
     evaluation will."""
     params = read_gsrm_params(home) or {}
     fields: dict[str, object] = {key: type(getattr(A2RagConfig(), key))(params[key])
                                  for key in GSRM_FIELDS if key in params}
-    fields["gsrm_by_type"] = tuple((kind, *values) for kind, values in sorted(params_by_type(params).items()))
+    fields["gsrm_by_dataset"] = tuple((kind, *values) for kind, values in sorted(params_by_dataset(params).items()))
     return replace(A2RagConfig(), **fields)

@@ -362,15 +362,17 @@ def _evidence_sections(data: ReportData) -> list[Section]:
     summaries = data.summaries
     evidence = [(s["method"], s["dataset"], int(_number(s.get("gold_fact_seen_n"))),
                  _number(s.get("gold_fact_seen")), _number(s.get("gold_fact_seen_se")),
+                 _cell(s["extra"].get("gold_fact_in_graph_tokens_mean")),
                  _number(s.get("gold_fact_top10")), _number(s.get("gold_fact_top10_se")),
                  int(_number(s.get("answer_seen_n"))), _number(s.get("answer_seen")), _number(s.get("answer_seen_se")))
                 for s in summaries if _number(s.get("gold_fact_seen_n")) > 0 or _number(s.get("answer_seen_n")) > 0]
     if evidence:
-        md, tab = _table(["method", "dataset", "n (gold facts)", "gold fact seen", "s.e.", "gold fact in top 10 shown",
+        md, tab = _table(["method", "dataset", "n (gold facts)", "gold fact seen", "s.e.",
+                          "gold fact in graph tokens", "gold fact in top 10 shown",
                           "s.e.", "n (answer concept)", "answer concept seen", "s.e."], evidence)
-        sections.append(("Evidence: what retrieval put in front of the answering call (the gold edge itself or a "
-                         "text stating it; a triple of another relation between the same concepts does not count; "
-                         "text a model wrote never counts)", md, tab, evidence_plot(summaries)))
+        sections.append(("Evidence: what retrieval put in front of the answering call as text (the gold edge "
+                         "itself or a text stating it; a triple of another relation between the same concepts does "
+                         "not count; text a model wrote never counts); A2RAG's graph tokens apart", md, tab, evidence_plot(summaries)))
 
     if data.reading:
         md, tab = _table(["method", "dataset", "accuracy, gold fact shown", "n", "accuracy, not shown", "n",
@@ -428,7 +430,7 @@ def _comparisons_sections(data: ReportData) -> list[Section]:
 
 
 def _gsrm_sections(data: ReportData) -> list[Section]:
-    """GSRM's recall per refinement iteration on test, and the parameters tuned per question type on validation."""
+    """GSRM's recall per refinement iteration on test, and the parameters tuned per dataset on validation."""
     sections: list[Section] = []
     if data.gsrm_recall:
         md, tab = _table(["dataset", "hops", "iteration k", "cutoff", "recall", "s.e.", "n", "tau", "N"],
@@ -440,16 +442,16 @@ def _gsrm_sections(data: ReportData) -> list[Section]:
         sections.append(("GSRM Recall@10 / @N per refinement iteration (test split, no LLM)", md, tab,
                          gsrm_recall_plot(data.gsrm_recall)))
 
-    by_type = (data.gsrm_params or {}).get("by_type") or {}
-    if by_type:
-        md, tab = _table(["question type", "tau", "K", "N", "Recall@10 after K", "Recall@N", "n (validation)", "note"],
+    by_dataset = (data.gsrm_params or {}).get("by_dataset") or {}
+    if by_dataset:
+        md, tab = _table(["dataset", "tau", "K", "N", "Recall@10 after K", "Recall@N", "n (validation)", "note"],
                          [(kind, float(v["tau"]), v["iterations"], v["top_n"], float(v["recall_at10"]),
-                           float(v["recall_at_n"]), v["n"], v.get("note", "")) for kind, v in sorted(by_type.items())]
+                           float(v["recall_at_n"]), v["n"], v.get("note", "")) for kind, v in sorted(by_dataset.items())]
                          + [("pooled (other items)", float(data.gsrm_params["tau"]), data.gsrm_params["iterations"],
                              data.gsrm_params["top_n"], float(data.gsrm_params["recall_at10"]),
                              float(data.gsrm_params["recall_at_n"]), data.gsrm_params["n"],
                              data.gsrm_params.get("note", ""))])
-        sections.append(("GSRM parameters chosen per question type (validation; A2RAG uses its item's type's)", md,
+        sections.append(("GSRM parameters chosen per dataset (validation; A2RAG uses its item's dataset's)", md,
                          tab, None))
     return sections
 

@@ -31,6 +31,7 @@ from medgraph.methods.agent import Episode, Generate, Request, ToolCall, ToolOut
 from medgraph.methods.common import (
     EvidenceSeen,
     FinalReply,
+    MethodResult,
     Step,
     answer_instruction,
     finish_result,
@@ -64,9 +65,10 @@ class A2RagConfig:
     tau: float = 0.5  # GSRM expansion threshold (tune on validation only)
     iterations: int = 2  # GSRM K
     top_n: int = 50  # GSRM N
-    # (question type, tau, K, N) per KG question type (models/gsrm_params tunes them apart: refinement can
-    # only act where the gold fact is not in G_0); an item of another type uses tau, K, N above.
-    gsrm_by_type: tuple[tuple[str, float, int, int], ...] = ()
+    # (dataset, tau, K, N) per benchmark (models/gsrm_params tunes each dataset's validation questions apart); an
+    # item of another dataset uses tau, K, N above. Per dataset, not per question type: the type (one hop or two)
+    # comes from the gold path, which a method never sees.
+    gsrm_by_dataset: tuple[tuple[str, float, int, int], ...] = ()
     max_triples_per_relation: int | None = 50  # hub guard per (entity, relation); None: every edge
     text_k: int = 5  # passages per T_Text call
     observe_triples: int = 15  # triples an AWC observation shows (the answer sees `context_triples`)
@@ -77,13 +79,12 @@ class A2RagConfig:
     demonstration: bool = False
 
     def __post_init__(self) -> None:  # run config and JSON give lists
-        object.__setattr__(self, "gsrm_by_type", tuple((str(kind), float(tau), int(k), int(n))
-                                                       for kind, tau, k, n in self.gsrm_by_type))
+        object.__setattr__(self, "gsrm_by_dataset", tuple((str(kind), float(tau), int(k), int(n))
+                                                       for kind, tau, k, n in self.gsrm_by_dataset))
 
     def gsrm_for(self, item: QaItem) -> tuple[float, int, int]:
-        """(tau, K, N) for this item: its question type's, else the configured ones."""
-        kind = item.extra.get("question_type")
-        return next(((tau, k, n) for t, tau, k, n in self.gsrm_by_type if t == kind),
+        """(tau, K, N) for this item: its dataset's, else the configured ones."""
+        return next(((tau, k, n) for dataset, tau, k, n in self.gsrm_by_dataset if dataset == item.dataset),
                     (self.tau, self.iterations, self.top_n))
 
 
@@ -217,6 +218,17 @@ def record_gold_recall(tools: KnowledgeTools, results: Sequence[GsrmResult],
         result.recall_at10_by_iteration, result.recall_atN_by_iteration = curves[10], curves[top_n]
 
 
+def record_gsrm_gold_recall(tools: KnowledgeTools, items: Sequence[QaItem], results: Sequence[MethodResult]) -> None:
+    """After a run: each A2RAG result's GSRM recall of its item's gold facts (`record_gold_recall`), into its
+    stats. The episode answered the item as asked; its GSRM result waits in `MethodResult.retrieval`."""
+    searched = [(result, item) for result, item in zip(results, items, strict=True)
+                if isinstance(result.retrieval, GsrmResult)]
+    record_gold_recall(tools, [result.retrieval for result, _ in searched],
+                       [gold_edge_ids(item) for _, item in searched])
+    for result, _ in searched:
+        result.stats.update(result.retrieval.stats())
+
+
 def _recall(pairs: Sequence[frozenset[str]], triples: Sequence[Triple]) -> float:
     """Share of the concept pairs that some triple connects (either direction, any relation)."""
     connected = {frozenset((t.src_cui, t.dst_cui)) for t in triples}
@@ -305,6 +317,7 @@ class _Evidence:
     triples: list[tuple[Triple, float]] = field(default_factory=list)
     passages: list[Passage] = field(default_factory=list)
     queries: list[str] = field(default_factory=list)
+    gsrm: GsrmResult | None = None  # T_KG's result, for the recall of gold facts measured after the run
 
     def add_passages(self, found: Sequence[Passage]) -> list[Passage]:
         seen = {p.chunk_id for p in self.passages}
@@ -336,7 +349,6 @@ class A2Rag:
             results = [GsrmResult(list(row), [len(row)], [], [], [t for t, _ in row]) for row in hits]
         else:
             results = gsrm_items(self.tools, items, config)
-        record_gold_recall(self.tools, results, [gold_edge_ids(item) for item in items])
         return results
 
     def text(self, queries: list[str]) -> list[list[Passage]]:
@@ -371,7 +383,9 @@ class A2Rag:
         stats["tools_used"] = sorted(tools_used)
         seen = EvidenceSeen()
         reply = yield from self._answer(item, evidence, steps, stats, seen)
-        return finish_result(self.name, item, reply, steps, stats, seen)
+        result = finish_result(self.name, item, reply, steps, stats, seen)
+        result.retrieval = evidence.gsrm
+        return result
 
     def _decide(self, conversation: list[Message], index: int,
                 stats: dict[str, object]) -> Generator[Request, Any, tuple[Step, str]]:
@@ -407,6 +421,7 @@ class A2Rag:
         step.latency_s += output.latency_s
         step.retrieved_ids = [t.edge_id for t, _ in result.triples]
         evidence.triples = result.triples
+        evidence.gsrm = result
         tools_used.add(T_KG)
         stats.update(result.stats())
         shown = [t for t, _ in result.triples[: config.observe_triples]]
@@ -430,14 +445,14 @@ class A2Rag:
     def _answer(self, item: QaItem, evidence: _Evidence, steps: list[Step], stats: dict[str, object],
                 seen: EvidenceSeen) -> Generator[Request, Any, FinalReply]:
         """T_Final: one answer call with the evidence as text, plus graph tokens under HIIM; `seen`
-        gets what that call is shown (the text's triples and passages, and the graph tokens' triples)."""
+        gets what that call is shown as text (triples and passages) and, apart, the graph tokens' triples."""
         context = [t for t, _ in evidence.triples[: self.config.context_triples]]
         tokens, stats["hiim"], reason = self._graph_tokens([t for t, _ in evidence.triples])
         if reason:
             stats["hiim_reason"] = reason
         seen.add_triples(context)
         if tokens is not None:  # every retrieved triple reaches the model as a graph token
-            seen.add_triples(t for t, _ in evidence.triples)
+            seen.add_graph_tokens(t for t, _ in evidence.triples)
         seen.add_chunks([p.chunk_id for p in evidence.passages], PASSAGE_CHARS)
         conversation = answer_conversation(item, context, evidence.passages, graph_tokens=tokens is not None)
         return (yield from answer_call(

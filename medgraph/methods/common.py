@@ -16,7 +16,7 @@ import re
 import string
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 from medgraph.kg.graph import Triple
 from medgraph.llm.base import Completion
@@ -271,6 +271,9 @@ class EvidenceSeen:
     concepts: list[str] = field(default_factory=list)  # CUIs listed by name (search hits)
     texts: list[str] = field(default_factory=list)  # other retrieved text shown (e.g. a chunk's title)
     order: list[tuple[str, str]] = field(default_factory=list)  # (kind, id) of each unit, first shown first
+    # Triples that reached the model only as graph tokens (A2RAG's HIIM): input embeddings, not text. Not part of
+    # what "gold fact seen" counts; measured apart (`gold_fact_in_graph_tokens`).
+    graph_tokens: dict[str, tuple[str, str, str]] = field(default_factory=dict)
 
     def _shown(self, kind: str, key: str) -> None:
         if (kind, key) not in self.order:
@@ -280,6 +283,10 @@ class EvidenceSeen:
         for t in triples:
             self.triples[t.edge_id] = (t.src_cui, t.relation, t.dst_cui)
             self._shown("triple", t.edge_id)
+
+    def add_graph_tokens(self, triples: Iterable[Triple]) -> None:
+        for t in triples:
+            self.graph_tokens[t.edge_id] = (t.src_cui, t.relation, t.dst_cui)
 
     def add_chunks(self, chunk_ids: Iterable[str], shown_chars: int | None = None) -> None:
         """Chunks shown up to `shown_chars` characters (a passage cut for the prompt)."""
@@ -317,6 +324,7 @@ class EvidenceSeen:
                 key = str(offset + int(key))
             self._shown(kind, key)
         self.add_concepts(other.concepts)
+        self.graph_tokens.update(other.graph_tokens)
 
     @property
     def empty(self) -> bool:
@@ -424,6 +432,8 @@ class MethodResult:
     gold_doc_recall: float | None = None  # a chunk of the question's own document was shown
     # What the answering model was shown; kept out of `as_dict` and the traces (the steps hold it as text).
     evidence: EvidenceSeen = field(default_factory=EvidenceSeen, repr=False)
+    # A method's own retrieval result, for what it measures against gold after the run (`MethodSpec.record_gold`).
+    retrieval: object | None = field(default=None, repr=False)
 
     @property
     def prompt_tokens(self) -> int:
@@ -448,7 +458,8 @@ class MethodResult:
     def as_dict(self) -> dict[str, object]:
         """JSON-ready: every field plus the token and latency totals."""
         return {
-            **{k: v for k, v in asdict(self).items() if k != "evidence"},
+            **{k: v for k, v in asdict(replace(self, evidence=EvidenceSeen(), retrieval=None)).items()
+               if k not in ("evidence", "retrieval")},
             "prompt_tokens": self.prompt_tokens,
             "prompt_tokens_computed": self.prompt_tokens_computed,
             "completion_tokens": self.completion_tokens,
@@ -486,6 +497,14 @@ def finish_result(method: str, item: QaItem, reply: str | FinalReply | None, ste
         parse_failed=prediction is None, correct=correct, f1=f1, steps=steps, stats=dict(stats or {}),
         truncated=final.truncated, extra_answer_call=final.extra_answer_call, evidence=evidence or EvidenceSeen(),
     )
+
+
+def score_against(result: MethodResult, item: QaItem) -> None:
+    """Score a result against the item with its gold answer (the method answered the item as asked)."""
+    if (result.qid, result.dataset) != (item.qid, item.dataset):
+        raise ValueError(f"result for {result.dataset}/{result.qid} scored against {item.dataset}/{item.qid}")
+    result.answer = item.answer
+    result.correct, result.f1 = score_answer(item, result.prediction)
 
 
 TRACE_COLUMNS = ("method", "dataset", "qid", "step", "action", "arguments", "retrieved_ids", "prompt_tokens",

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from medgraph.llm.base import ChatModel
-from medgraph.methods.a2rag import A2Rag, A2RagConfig, GraphTokenEncoder
+from medgraph.methods.a2rag import A2Rag, A2RagConfig, GraphTokenEncoder, record_gsrm_gold_recall
 from medgraph.methods.agent import Episode, run_lockstep
 from medgraph.methods.baselines import (
     ChainOfThought,
@@ -38,11 +38,12 @@ from medgraph.methods.common import (
     ShownUnit,
     evidence_metrics,
     gold_doc_recall,
+    score_against,
 )
 from medgraph.methods.graph_r1 import GraphR1, GraphR1Config
 from medgraph.methods.sema_rag import SemaRag, SemaRagConfig
 from medgraph.methods.tools import KnowledgeTools
-from medgraph.qa.item import QaItem, answer_cuis, gold_doc_ids, gold_facts
+from medgraph.qa.item import QaItem, answer_cuis, as_asked, gold_doc_ids, gold_facts
 from medgraph.retrieval import Retriever
 from medgraph.text.corpus import documents_in_corpus
 
@@ -63,11 +64,17 @@ class MethodSpec:
     config_type: type
     build: Builder
     description: str
+    # The reading ceiling is built from the gold facts; every method is given the question as a user would ask
+    # it (`qa.item.as_asked`) and is scored against the item afterwards.
+    reads_gold: bool = False
+    # What a method measures of its own retrieval against gold (A2RAG's GSRM recall), set after the run.
+    record_gold: Callable[[KnowledgeTools, Sequence[QaItem], Sequence[MethodResult]], None] | None = None
 
 
 METHODS: dict[str, MethodSpec] = {
     "a2rag": MethodSpec(A2RagConfig, lambda tools, llm, config, gt: A2Rag(tools, llm, config, gt),
-                        "A2RAG: AWC tool routing, GSRM subgraph refinement, HIIM graph tokens"),
+                        "A2RAG: AWC tool routing, GSRM subgraph refinement, HIIM graph tokens",
+                        record_gold=record_gsrm_gold_recall),
     "graph-r1": MethodSpec(GraphR1Config, lambda tools, llm, config, gt: GraphR1(tools.retriever, llm, config),
                            "Graph-R1 agent: search / traverse / analyze / answer over the KG"),
     "sema-rag": MethodSpec(SemaRagConfig, lambda tools, llm, config, gt: SemaRag(tools, llm, config),
@@ -80,7 +87,8 @@ METHODS: dict[str, MethodSpec] = {
                          "our variant of MedRAG: the same snippets plus the question concepts' KG triples"),
     "oracle-evidence": MethodSpec(
         OracleEvidenceConfig, lambda tools, llm, config, gt: OracleEvidence(tools, llm, config),
-        "the reading ceiling: the gold facts and wrong-relation triples of the same concepts, nothing else"),
+        "the reading ceiling: the gold facts and wrong-relation triples of the same concepts, nothing else",
+        reads_gold=True),
     "irag": MethodSpec(IterativeRagConfig, lambda tools, llm, config, gt: IterativeRag(tools, llm, config),
                        "i-MedRAG: rounds of follow-up queries, each answered from its own snippets; "
                        "the query-answer pairs are the next round's and the final answer's context"),
@@ -154,16 +162,21 @@ def run_method(name: str, items: Sequence[QaItem], retriever: Retriever | Knowle
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     tools = retriever if isinstance(retriever, KnowledgeTools) else KnowledgeTools(retriever)
+    spec = METHODS[method_of(name)]
     method = build_method(name, tools, llm, config, graph_tokenizer)
     for model in (llm, reader):
         if model is not None:
             model.clear_prefix_cache()
+    asked = list(items) if spec.reads_gold else [as_asked(item) for item in items]
     results: list[MethodResult] = []
-    for start in range(0, len(items), batch_size):
-        batch = items[start:start + batch_size]
+    for start in range(0, len(asked), batch_size):
+        batch = asked[start:start + batch_size]
         results += run_lockstep([method.episode(item) for item in batch], llm, reader)
-    for result in results:
+    for result, item in zip(results, items, strict=True):
         result.method = name
+        score_against(result, item)
+    if spec.record_gold is not None:
+        spec.record_gold(tools, items, results)
     record_evidence_recall(tools, items, results)
     record_gold_doc_recall(tools, items, results)
     return results
@@ -208,7 +221,8 @@ def _concept_text_states(cui: str, text: str, facts: Sequence[frozenset[str]], n
 
 def record_evidence_recall(tools: KnowledgeTools, items: Sequence[QaItem], results: Sequence[MethodResult]) -> None:
     """Set each result's `gold_fact_seen`, `gold_fact_top10` and `answer_seen` (also in its stats) from
-    the evidence its answering call was shown (`common.evidence_metrics`): one mentions lookup for every
+    the evidence its answering call was shown as text (`common.evidence_metrics`), and the share of gold facts
+    among its graph tokens' triples (stats `gold_fact_in_graph_tokens`, A2RAG with HIIM): one mentions lookup for every
     shown chunk, one dictionary pass over the sentences of every other shown text. None where the item
     carries no gold facts / answer concepts (e.g. MIRAGE items, a "no" question's facts)."""
     gold = [(gold_facts(item), answer_cuis(item)) for item in items]
@@ -247,6 +261,9 @@ def record_evidence_recall(tools: KnowledgeTools, items: Sequence[QaItem], resul
                     units.append(ShownUnit(frozenset(), together, frozenset().union(*together)))
             units.append(ShownUnit(frozenset(), (), frozenset(evidence.concepts)))  # listed by name only
             metrics = evidence_metrics(units, gold[i][0], gold[i][1])
+            if evidence.graph_tokens and facts:
+                as_tokens = {"|".join(triple) for triple in evidence.graph_tokens.values()}
+                result.stats["gold_fact_in_graph_tokens"] = sum(bool(f & as_tokens) for f in facts) / len(facts)
         result.gold_fact_seen, result.gold_fact_top10 = metrics.gold_fact_seen, metrics.gold_fact_top10
         result.answer_seen = metrics.answer_seen
         result.stats.update(gold_fact_seen=metrics.gold_fact_seen, gold_fact_top10=metrics.gold_fact_top10,

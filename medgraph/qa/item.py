@@ -37,6 +37,20 @@ class QaItem:
         return self.acceptable_answers or (self.answer_text,)
 
 
+# What a method may read of a question beyond its text, options and benchmark: the concepts the question and
+# its options name (what entity linking of the question would give). Everything else in `extra` (gold paths
+# and facts, hop counts, question types, answer concepts, gold documents) is derived from the answer, and the
+# answer itself, its acceptable forms and the source PMIDs are for scoring only.
+ASKED_FIELDS = ("seed_cuis", "option_cuis")
+
+
+def as_asked(item: QaItem) -> QaItem:
+    """The item as a user would ask it: no answer, no acceptable answers, no PMIDs, and of `extra` only
+    `ASKED_FIELDS`. Methods answer this; scoring reads the item itself."""
+    return QaItem(dataset=item.dataset, qid=item.qid, question=item.question, options=dict(item.options), answer="",
+                  extra={key: item.extra[key] for key in ASKED_FIELDS if key in item.extra})
+
+
 def gold_edge_ids(item: QaItem) -> tuple[str, ...] | None:
     """Edge ids of the item's gold path when known (KG-derived items carry `gold_path`)."""
     value = item.extra.get("gold_path") or item.extra.get("gold_edge_ids")
