@@ -454,19 +454,17 @@ def test_sema_rag_without_early_stop_keeps_searching_after_a_sufficient_judgment
     assert not result.stats["early_stop"] and result.stats["sufficiency"] == [True, True]
 
 
-def test_sema_rag_without_early_stop_searches_on_when_a_sufficient_judgment_names_no_query(tools: KnowledgeTools):
-    """A "sufficient" judgment names no follow-up query; without early stop the next rounds search the stated
-    gap, then the schema query with each option, instead of stopping like the full method."""
-    judgments = [json.dumps({"sufficient": True, "gap": "", "queries": []})] * 2
-    (result,) = run_method("sema-rag-no-early-stop", [TREAT], tools, ScriptedChatModel(sema_reply(judgments)),
-                           make_config("sema-rag-no-early-stop", {"max_rounds": 3, "max_queries_per_round": 2}))
-    assert result.stats["rounds"] == 3 and result.stats["stop_reason"] == "max_rounds"
-    queries = [s.arguments["queries"] for s in result.steps if s.action == "retrieve"]
-    first = queries[0][0]
-    assert queries[1:] == [[f"{first} | amlodipine", f"{first} | salbutamol"],
-                           [f"{first} | insulin", f"{first} | aspirin"]]
-    (full,) = run_method("sema-rag", [TREAT], tools, ScriptedChatModel(sema_reply(judgments[:1])))
-    assert full.stats["rounds"] == 1 and full.stats["stop_reason"] == "sufficient"
+def test_sema_rag_without_early_stop_asks_only_what_the_full_method_would(tools: KnowledgeTools):
+    """Only the stop rule changes: a "sufficient" judgment that names no follow-up query ends the ablation's loop
+    too ("no_new_query"), with the same queries and rounds as the full method; no query of its own."""
+    judgments = [json.dumps({"sufficient": True, "gap": "dosing", "queries": []})] * 2
+    (ablation,) = run_method("sema-rag-no-early-stop", [TREAT], tools, ScriptedChatModel(sema_reply(judgments)),
+                             make_config("sema-rag-no-early-stop", {"max_rounds": 3}))
+    (full,) = run_method("sema-rag", [TREAT], tools, ScriptedChatModel(sema_reply(judgments)))
+    assert (full.stats["rounds"], full.stats["stop_reason"]) == (1, "sufficient")
+    assert (ablation.stats["rounds"], ablation.stats["stop_reason"]) == (1, "no_new_query")
+    queries = [[s.arguments["queries"] for s in r.steps if s.action == "retrieve"] for r in (full, ablation)]
+    assert queries[0] == queries[1]
 
 
 @pytest.mark.parametrize("judgment", [

@@ -112,3 +112,22 @@ def test_seed_claims_name_the_missing_runs_and_measure_the_latency_ratio():
     assert claims["SEMA-RAG: early stopping saves rounds at equal accuracy"].verdict == "not measured: run sema-rag"
     base = {c.claim: c for c in seed_claims([], rows, comparisons, [], graph_r1_policy="base LLM")}
     assert "base LLM" in base["Graph-R1: removing SFT (cold start) hurts"].verdict
+
+
+def test_seed_claims_have_a_row_for_every_ablation_and_name_a_fixed_route():
+    rows = (_rows("graph-r1", [1, 0] * 20) + _rows("graph-r1-sft-only", [0, 0] * 20)
+            + _rows("sema-rag", [1, 1] * 20) + _rows("sema-rag-no-e-agent", [0, 0] * 20)
+            + _rows("sema-rag-no-i-agent", [1, 0] * 20))
+    comparisons = paired_comparisons(rows, ablations={"graph-r1-sft-only": "graph-r1", "sema-rag-no-e-agent": "sema-rag",
+                                                      "sema-rag-no-i-agent": "sema-rag"})
+    summaries = [{"method": "a2rag", "dataset": "kgqa_mc", "questions": 40,
+                  "extra": {"routing_share/KG-only": 0.975, "routing_share/none": 0.025}}]
+    claims = {c.claim.split(" (")[0]: c for c in seed_claims(summaries, rows, comparisons, [])}
+    assert claims["Graph-R1: removing RL hurts"].verdict == HOLDS
+    for action in ("search", "traverse"):
+        assert claims[f"Graph-R1: removing {action} hurts"].verdict.startswith(f"not measured: run graph-r1-no-{action}")
+    e_agent = claims["SEMA-RAG: the E-Agent matters most"]
+    assert e_agent.verdict == HOLDS and "vs sema-rag-no-i-agent: -50.0 pts" in e_agent.measured
+    assert claims["SEMA-RAG: removing the A-Agent hurts"].verdict.startswith("not measured: run sema-rag-no-a-agent")
+    route = claims["A2RAG: AWC routes each question"]
+    assert route.verdict == "contradicted (degenerate: KG-only for 98%)" and route.n == 40

@@ -60,7 +60,7 @@ def test_report_shows_evidence_recall_paired_differences_gsrm_recall_and_seed_cl
     paths = build_report(ReportData(summaries, {"LLM": "x"}, {}, comparisons, gsrm, claims), tmp_path)
     markdown = paths["markdown"].read_text(encoding="utf-8")
     assert "## Evidence: what retrieval put in front" in markdown
-    assert "| rag | kgqa_mc | 200 | 0.400 | 0.050 | 0.200 | 0.040 | 200 | 0.400 | 0.050 |" in markdown
+    assert "| rag | kgqa_mc | 200 | 0.400 | 0.050 | - | 0.200 | 0.040 | 200 | 0.400 | 0.050 |" in markdown
     paired = markdown.split("## Paired comparison with rag")[1].split("## ")[0]
     evidence = next(line for line in paired.splitlines() if "| gold_fact_seen |" in line)
     assert "| a2rag | rag | kgqa_mc | gold_fact_seen | 200 | 1.000 | 0.335 | 0.665 |" in evidence
@@ -102,3 +102,22 @@ def test_report_shows_the_shortcut_table_the_reading_check_and_gsrm_per_dataset(
     gsrm = markdown.split("## GSRM parameters chosen per dataset")[1].split("## ")[0]
     assert "| kgqa_short | 0.500 | 1 | 50 | 0.450 | 0.800 | 16 |" in gsrm
     assert "| pooled (other items) | 0.600 | 0 | 50 | 0.800 | 0.900 | 80 |" in gsrm
+
+
+def test_report_flags_agent_decisions_taken_for_nearly_every_question(tmp_path: Path):
+    summaries = [summary("a2rag", 0.5, **{"routing_share/KG-only": 0.25, "routing_share/none": 0.75,
+                                          "gold_fact_in_graph_tokens_mean": 0.5}),
+                 summary("sema-rag", 0.25, **{"stop_share/sufficient": 1.0, "schema_share/question as query": 0.96,
+                                              "schema_share/parsed": 0.04}),
+                 summary("graph-r1", 0.25, **{"first_action_share/search": 0.5, "first_action_share/answer": 0.5})]
+    for row in summaries:
+        row.update(gold_fact_seen=0.5, gold_fact_seen_se=0.1, gold_fact_seen_n=8)
+    markdown = build_report(ReportData(summaries, {"LLM": "x"}), tmp_path)["markdown"].read_text(encoding="utf-8")
+    decisions = markdown.split("## Agent decisions")[1].split("## ")[0]
+    assert "| a2rag | kgqa_mc | A2RAG AWC route | none | 0.750 |  |" in decisions
+    assert "| sema-rag | kgqa_mc | SEMA-RAG E-Agent stop | sufficient | 1.000 | degenerate |" in decisions
+    assert "| sema-rag | kgqa_mc | SEMA-RAG I-Agent schema | question as query | 0.960 | degenerate |" in decisions
+    assert "| graph-r1 | kgqa_mc | Graph-R1 first action |" in decisions and decisions.count("degenerate |") == 2
+    evidence = markdown.split("## Evidence")[1].split("## ")[0]
+    assert "| a2rag | kgqa_mc | 8 | 0.500 | 0.100 | 0.500 |" in evidence  # gold fact in graph tokens
+    assert "| sema-rag | kgqa_mc | 8 | 0.500 | 0.100 | - |" in evidence

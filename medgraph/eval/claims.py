@@ -22,6 +22,7 @@ from medgraph.stats import BOOTSTRAP_RESAMPLES, BOOTSTRAP_SEED, paired_differenc
 
 HOLDS, CONTRADICTED, NOT_SEPARABLE = "holds", "contradicted", "not separable at this n"
 FLAT_MARGIN = 0.02  # "flat": the whole CI of the change within +-2 points
+DEGENERATE_SHARE = 0.95  # a decision taken the same way for this share of questions is no decision
 
 
 @dataclass(frozen=True)
@@ -145,28 +146,46 @@ def _latency_claim(results: Sequence[Mapping[str, object]]) -> Claim:
                  _ci(low, high, points=False), len(common), verdict)
 
 
-def _analyze_claim(comparisons: Sequence[Comparison], results: Sequence[Mapping[str, object]]) -> Claim:
-    text = "Graph-R1: analyze is the most important action (its removal hurts most)"
-    seed = "-12 to -15% F1 without analyze, the largest drop"
-    drop = _accuracy(comparisons, "graph-r1-no-analyze", "graph-r1")
+def _most_important_claim(comparisons: Sequence[Comparison], results: Sequence[Mapping[str, object]], method: str,
+                          key: str, others: Sequence[str], text: str, seed: str) -> Claim:
+    """`key` (an ablation of `method`) hurts most: its drop against `method`, then, paired directly, against each
+    other ablation in `others` that was run on the same questions."""
+    drop = _accuracy(comparisons, key, method)
     if not drop:
-        return _missing(text, seed, "run graph-r1-no-analyze and graph-r1 on the same questions")
+        return _missing(text, seed, f"run {key} and {method} on the same questions")
     c = max(drop, key=lambda c: c.n)
-    others = [name for name in ("graph-r1-no-search", "graph-r1-no-traverse")
-              if _accuracy(comparisons, name, "graph-r1")]
-    if not others:
-        return Claim(f"{text} ({c.dataset})", seed, f"without analyze {c.difference * 100:+.1f} pts vs graph-r1; "
-                     "other action ablations not run", _ci(c.ci_low, c.ci_high), c.n,
+    run = [name for name in others if _accuracy(comparisons, name, method)]
+    if not run:
+        return Claim(f"{text} ({c.dataset})", seed, f"without it {c.difference * 100:+.1f} pts vs {method}; "
+                     f"other ablations not run ({', '.join(others)})", _ci(c.ci_low, c.ci_high), c.n,
                      f"{_direction(c.ci_low, c.ci_high, -1)} (drop only; ranking needs the other ablations)")
-    # Paired directly: without analyze vs without each other action, on the same questions.
     by_method = outcomes_by_method(results)
-    versus = [compare(by_method, "graph-r1-no-analyze", other, c.dataset, "correct", "claim") for other in others]
+    versus = [compare(by_method, key, other, c.dataset, "correct", "claim") for other in run]
     versus = [v for v in versus if v is not None]
     worst_high = max(v.ci_high for v in versus)
     verdict = (HOLDS if worst_high < 0 else "contradicted" if any(v.ci_low > 0 for v in versus) else NOT_SEPARABLE)
     measured = "; ".join(f"vs {v.reference}: {v.difference * 100:+.1f} pts" for v in versus)
-    return Claim(f"{text} ({c.dataset})", seed, f"without analyze {c.difference * 100:+.1f} pts; {measured}",
+    return Claim(f"{text} ({c.dataset})", seed, f"without it {c.difference * 100:+.1f} pts; {measured}",
                  "; ".join(_ci(v.ci_low, v.ci_high) for v in versus), min(v.n for v in versus), verdict)
+
+
+def _routing_claim(summaries: Sequence[Mapping[str, object]]) -> list[Claim]:
+    """AWC chooses the route per question: one row per dataset with the route shares; a route taken for at least
+    `DEGENERATE_SHARE` of the questions is no choice."""
+    text, seed = "A2RAG: AWC routes each question (KG-only / Text-only / KG+Text / none)", "routes vary by question"
+    rows = [s for s in summaries if s["method"] == "a2rag" and any(k.startswith("routing_share/") for k in s["extra"])]
+    if not rows:
+        return [_missing(text, seed, "run a2rag")]
+    claims = []
+    for row in rows:
+        shares = {k.removeprefix("routing_share/"): float(v) for k, v in row["extra"].items()
+                  if k.startswith("routing_share/")}
+        route, top = max(shares.items(), key=lambda kv: kv[1])
+        verdict = f"contradicted (degenerate: {route} for {top:.0%})" if top >= DEGENERATE_SHARE else HOLDS
+        claims.append(Claim(f"{text} ({row['dataset']})", seed,
+                            ", ".join(f"{k} {v:.0%}" for k, v in sorted(shares.items())), "",
+                            int(row["questions"]), verdict))
+    return claims
 
 
 def _early_stop_claim(summaries: Sequence[Mapping[str, object]], comparisons: Sequence[Comparison]) -> Claim:
@@ -183,10 +202,17 @@ def _early_stop_claim(summaries: Sequence[Mapping[str, object]], comparisons: Se
                      f"{float(row['extra'].get('early_stop_rate', float('nan'))):.0%}", "", int(row["questions"]),
                      "accuracy at equal rounds not measured: run sema-rag-no-early-stop")
     c = max(full, key=lambda c: c.n)
+    ablation = next((s for s in summaries if s["method"] == "sema-rag-no-early-stop" and s["dataset"] == c.dataset
+                     and "rounds_mean" in s["extra"]), None)
+    without = float(ablation["extra"]["rounds_mean"]) if ablation else float("nan")
+    measured = (f"{rounds:.2f} vs {without:.2f} rounds (early stop vs none); without early stop accuracy "
+                f"{c.difference * 100:+.1f} pts")
+    if not without > rounds:  # the ablation asks only what the E-Agent writes: no follow-up, no further round
+        return Claim(f"{text} ({c.dataset})", seed, measured, _ci(c.ci_low, c.ci_high), c.n,
+                     "not measured: no round saved (the E-Agent wrote no follow-up query when it stopped)")
     equal = -0.05 <= c.ci_low and c.ci_high <= 0.05
     verdict = (HOLDS if equal else "contradicted" if c.ci_low > 0.05 or c.ci_high < -0.05 else NOT_SEPARABLE)
-    return Claim(f"{text} ({c.dataset})", seed, f"{rounds:.2f} rounds; without early stop accuracy "
-                 f"{c.difference * 100:+.1f} pts", _ci(c.ci_low, c.ci_high), c.n,
+    return Claim(f"{text} ({c.dataset})", seed, measured, _ci(c.ci_low, c.ci_high), c.n,
                  f"{verdict} (equal = CI within ±5 pts)")
 
 
@@ -199,12 +225,28 @@ def seed_claims(summaries: Sequence[Mapping[str, object]], results: Sequence[Map
                            ("a2rag-no-gsrm", "removing GSRM lowers accuracy"),
                            ("a2rag-no-hiim", "removing HIIM lowers accuracy")):
         claims.append(_drop_claim(comparisons, ablation, "a2rag", f"A2RAG ablation: {ablation}", seed))
+    claims += _routing_claim(summaries)
     claims.append(_latency_claim(results))
-    claims.append(_analyze_claim(comparisons, results))
-    sft_text, sft_seed = "Graph-R1: removing SFT (cold start) hurts", "lower accuracy without SFT"
-    if graph_r1_policy is not None and graph_r1_policy.startswith("base"):
-        claims.append(_missing(sft_text, sft_seed, "graph-r1 itself ran with the base LLM (no trained policy)"))
-    else:
-        claims.append(_drop_claim(comparisons, "graph-r1-no-sft", "graph-r1", sft_text, sft_seed))
+    claims.append(_most_important_claim(
+        comparisons, results, "graph-r1", "graph-r1-no-analyze", ("graph-r1-no-search", "graph-r1-no-traverse"),
+        "Graph-R1: analyze is the most important action (its removal hurts most)",
+        "-12 to -15% F1 without analyze, the largest drop"))
+    for action in ("search", "traverse"):
+        claims.append(_drop_claim(comparisons, f"graph-r1-no-{action}", "graph-r1",
+                                  f"Graph-R1: removing {action} hurts", f"lower accuracy without {action}"))
+    trained = graph_r1_policy is None or not graph_r1_policy.startswith("base")
+    for ablation, text, seed in (("graph-r1-no-sft", "Graph-R1: removing SFT (cold start) hurts",
+                                  "lower accuracy without SFT"),
+                                 ("graph-r1-sft-only", "Graph-R1: removing RL hurts",
+                                  "lower accuracy with the SFT policy alone, no GRPO")):
+        claims.append(_drop_claim(comparisons, ablation, "graph-r1", text, seed) if trained else
+                      _missing(text, seed, "graph-r1 itself ran with the base LLM (no trained policy)"))
+    for agent in ("i", "a"):
+        claims.append(_drop_claim(comparisons, f"sema-rag-no-{agent}-agent", "sema-rag",
+                                  f"SEMA-RAG: removing the {agent.upper()}-Agent hurts",
+                                  f"lower accuracy without the {agent.upper()}-Agent"))
+    claims.append(_most_important_claim(
+        comparisons, results, "sema-rag", "sema-rag-no-e-agent", ("sema-rag-no-i-agent", "sema-rag-no-a-agent"),
+        "SEMA-RAG: the E-Agent matters most (its removal hurts most)", "the largest drop without the E-Agent"))
     claims.append(_early_stop_claim(summaries, comparisons))
     return claims

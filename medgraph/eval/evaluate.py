@@ -122,6 +122,11 @@ def method_statistics(results: Sequence[MethodResult]) -> dict[str, float]:
     early = [bool(r.stats["early_stop"]) for r in results if "early_stop" in r.stats]
     if early:
         stats["early_stop_rate"] = float(np.mean(early))
+    # The agents' decisions, as shares of questions (the report flags one taken for nearly every question).
+    stats.update(_shares([r.stats["stop_reason"] for r in results if "stop_reason" in r.stats], "stop_share/"))
+    stats.update(_shares(["parsed" if r.stats["schema_parsed"] else "question as query" for r in results
+                          if "schema_parsed" in r.stats], "schema_share/"))
+    stats.update(_shares([r.stats["actions"][0] for r in results if r.stats.get("actions")], "first_action_share/"))
     if results and results[0].method.startswith("graph-r1"):
         stats["steps_mean"] = float(np.mean([len(r.steps) for r in results]))
         actions = [s.action for r in results for s in r.steps]

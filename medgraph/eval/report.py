@@ -17,7 +17,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from medgraph.eval.claims import Claim, seed_claims
+from medgraph.eval.claims import DEGENERATE_SHARE, Claim, seed_claims
 from medgraph.eval.evaluate import read_eval_views, write_partition
 from medgraph.eval.paired import Comparison, paired_comparisons, read_results
 from medgraph.eval.readers import reader_label, split_reader
@@ -313,7 +313,8 @@ def build_report(data: ReportData, out_dir: Path) -> dict[str, Path]:
     """Write `report.md` and `report.html` (plus the PNGs beside the Markdown) atomically, section by section."""
     out_dir.mkdir(parents=True, exist_ok=True)
     builders = (_separation_sections, _shortcuts_sections, _accuracy_sections, _evidence_sections,
-                _comparisons_sections, _gsrm_sections, _claims_sections, _cost_sections, _lineage_sections)
+                _comparisons_sections, _gsrm_sections, _claims_sections, _decision_sections, _cost_sections,
+                _lineage_sections)
     return _write_report([section for build in builders for section in build(data)], out_dir)
 
 
@@ -466,6 +467,34 @@ def _claims_sections(data: ReportData) -> list[Section]:
     return sections
 
 
+# The agents' decisions (`evaluate.method_statistics` shares of questions), each with its label in the report.
+DECISIONS = (("routing_share/", "A2RAG AWC route"), ("stop_share/", "SEMA-RAG E-Agent stop"),
+             ("schema_share/", "SEMA-RAG I-Agent schema"), ("first_action_share/", "Graph-R1 first action"))
+
+
+def degenerate_decisions(summaries: Sequence[Mapping[str, object]]) -> list[tuple[object, ...]]:
+    """(method, dataset, decision, most frequent choice, its share, flag) for every agent decision a row made:
+    "degenerate" when one choice was taken for at least `DEGENERATE_SHARE` of the questions."""
+    rows = []
+    for s in summaries:
+        for prefix, label in DECISIONS:
+            shares = {k.removeprefix(prefix): float(v) for k, v in s["extra"].items() if k.startswith(prefix)}
+            if shares:
+                choice, share = max(shares.items(), key=lambda kv: kv[1])
+                rows.append((s["method"], s["dataset"], label, choice, share,
+                             "degenerate" if share >= DEGENERATE_SHARE else ""))
+    return rows
+
+
+def _decision_sections(data: ReportData) -> list[Section]:
+    rows = degenerate_decisions(data.summaries)
+    if not rows:
+        return []
+    md, tab = _table(["method", "dataset", "decision", "most frequent", "share", "flag"], rows)
+    return [(f"Agent decisions (a choice taken for at least {DEGENERATE_SHARE:.0%} of the questions is flagged "
+             "degenerate: the row then measures that fixed choice, not the agent's decision)", md, tab, None)]
+
+
 def _cost_sections(data: ReportData) -> list[Section]:
     """Latency and tokens, each method's decision shares and statistics, and the GRPO curve."""
     sections: list[Section] = []
@@ -489,7 +518,8 @@ def _cost_sections(data: ReportData) -> list[Section]:
             sections.append((title, md, tab, shares_plot(summaries, prefix, title)))
 
     stats = [(s["method"], s["dataset"], k, float(v)) for s in summaries for k, v in s["extra"].items()
-             if not any(k.startswith(p) for p in ("routing_share/", "hiim_share/", "rounds_share/", "action_share/"))]
+             if not any(k.startswith(p) for p in ("routing_share/", "hiim_share/", "rounds_share/", "action_share/",
+                                                "stop_share/", "schema_share/", "first_action_share/"))]
     if stats:
         md, tab = _table(["method", "dataset", "statistic", "value"], stats)
         sections.append(("Method statistics (GSRM recall per iteration, rounds, early stops, steps)", md, tab,

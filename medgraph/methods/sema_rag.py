@@ -46,7 +46,7 @@ from medgraph.methods.common import (
     parse_fields,
     step_from_completion,
 )
-from medgraph.methods.tools import KnowledgeTools, Passage, concept_options
+from medgraph.methods.tools import KnowledgeTools, Passage
 from medgraph.qa.item import QaItem
 
 
@@ -57,9 +57,10 @@ class SemaRagConfig:
     use_a_agent: bool = True
     max_rounds: int = 3
     # False: a "sufficient" judgment does not end the loop (the ablation the early-stop claim is measured
-    # against). A sufficient judgment names no follow-up query, so the next round searches what is still
-    # unasked (`continuation_queries`: the stated gap, then the schema query with each option); only when even
-    # those were all asked does the loop end ("no_new_query").
+    # against). The next round searches the E-Agent's own follow-up queries, as the full method's rounds do; when
+    # it wrote none new the loop ends ("no_new_query"). Only the stop rule changes: the ablation asks no query the
+    # full method could not have asked (a small reader that writes no queries with "sufficient" makes the two
+    # the same: the report's claims row then shows equal rounds).
     early_stop: bool = True
     max_queries_per_round: int = 3
     text_k: int = 3  # passages per query
@@ -152,15 +153,6 @@ def _truth(value: object) -> bool | None:
     if words[0].strip(".,") in _NO:
         return False
     return True if words[0].strip(".,") in _YES else None
-
-
-def continuation_queries(item: QaItem, schema: ClinicalSchema, judgment: Judgment) -> list[str]:
-    """Queries for a round the E-Agent judged unnecessary (the no-early-stop ablation): its stated gap, then
-    the schema's query with each option's text (evidence on the options is what the answer is chosen from).
-    Measured on the demo before this existed: every "sufficient" judgment came without queries, so the
-    ablation stopped after round 1 exactly like the full method (1.00 rounds both), a vacuous comparison."""
-    base = schema.linearize()
-    return [q for q in (judgment.gap.strip(), *(f"{base} | {option}" for option in concept_options(item))) if q]
 
 
 def parse_judgment(text: str) -> Judgment:
@@ -327,9 +319,6 @@ class SemaRag:
                 stop = "sufficient"
                 break
             fresh = [q for q in dict.fromkeys(judgment.queries) if _query_key(q) and _query_key(q) not in asked]
-            if not fresh and judgment.sufficient and not config.early_stop:
-                fresh = [q for q in continuation_queries(item, schema, judgment)
-                         if _query_key(q) and _query_key(q) not in asked]
             if not fresh:
                 stop = "no_new_query"
                 break
