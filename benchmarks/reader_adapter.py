@@ -43,6 +43,8 @@ def main() -> None:
     parser.add_argument("--warmup-share", type=float, default=DEMO_FIT.warmup_share,
                         help="share of the steps the cosine schedule warms up")
     parser.add_argument("--lora-layers", type=int, default=None, help="adapt only the top N blocks (default: all)")
+    parser.add_argument("--length-groups", type=int, default=DEMO_FIT.length_groups,
+                        help="batches of like lengths, drawn this many batches at a time (0: draw order)")
     parser.add_argument("--gold-share", type=float, default=ReaderConfig.gold_share)
     parser.add_argument("--layouts", default=layouts_text(DEFAULT_LAYOUTS),
                         help="answering-call layouts of the examples and their weights (medgraph.rl.reader.LAYOUTS)")
@@ -97,7 +99,8 @@ def main() -> None:
                           answer_form=args.answer_form, seed=args.seed)
     config = replace(config, fit=replace(config.fit, steps=args.steps, batch_size=args.batch_size, lr=args.lr,
                                          lr_schedule=args.lr_schedule, warmup_share=args.warmup_share,
-                                         lora_layers=args.lora_layers, seed=args.seed, progress=True))
+                                         lora_layers=args.lora_layers, length_groups=args.length_groups,
+                                         seed=args.seed, progress=True))
     train, validation = load_qa_items(warehouse, "train"), load_qa_items(warehouse, "validation")
     held_out = held_out_pairs([*validation, *load_qa_items(warehouse, "test")])
     datasets = args.datasets.split(",")

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import json
+import random
 import threading
 from collections.abc import Iterator
 from dataclasses import replace
@@ -260,6 +261,20 @@ def test_sft_batches_go_through_every_example_once_per_epoch_and_repeat_with_the
     assert batches == list(itertools.islice(drawn_batches(10, 4, seed=3), 5))
     assert batches != list(itertools.islice(drawn_batches(10, 4, seed=4), 5))
     assert sorted(next(drawn_batches(3, 8, seed=0))) == [0, 1, 2]  # fewer examples than a batch: each once
+
+
+def test_batches_of_like_lengths_still_draw_every_example_once_per_epoch_with_less_padding():
+    lengths = [random.Random(i).choice([60, 120, 400, 900]) for i in range(64)]
+
+    def padded(batches: list[list[int]]) -> int:
+        return sum(len(batch) * max(lengths[i] for i in batch) for batch in batches)
+
+    plain = list(itertools.islice(drawn_batches(64, 8, seed=3), 8))  # one epoch
+    grouped = list(itertools.islice(drawn_batches(64, 8, seed=3, lengths=lengths, groups=4), 8))
+    assert sorted(i for batch in grouped for i in batch) == list(range(64)) and {len(b) for b in grouped} == {8}
+    assert padded(grouped) < 0.8 * padded(plain)
+    assert grouped == list(itertools.islice(drawn_batches(64, 8, seed=3, lengths=lengths, groups=4), 8))
+    assert list(itertools.islice(drawn_batches(64, 8, seed=3, lengths=lengths, groups=0), 8)) == plain
 
 
 @pytest.mark.parametrize("profile", sorted(GRPO_PROFILES))

@@ -202,6 +202,10 @@ class SftConfig:
     # At most this many padded tokens (rows x the longest) per micro-batch, besides `micro_batch_size` rows: short
     # conversations share a forward pass, a long one goes alone, and the activations stay bounded. None: no cap.
     micro_batch_tokens: int | None = None
+    # Batches of like lengths (Hugging Face's `group_by_length`): each group of this many batches is drawn from the
+    # seeded shuffle, sorted by length, cut into batches, and the batches shuffled. Less padding; every example is
+    # still drawn once per epoch. 0: batches in draw order.
+    length_groups: int = 0
     lr: float = 2e-5
     # "constant", or "cosine": linear warm-up over the first `warmup_share` of the steps, then a cosine decay to
     # lr / 10 at the last step (nanoGPT's schedule). A constant rate ends wherever its last noisy step left the weights.
@@ -291,18 +295,29 @@ def lr_factor(step: int, config: SftConfig) -> float:
     return 0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * min(progress, 1.0)))
 
 
-def drawn_batches(n: int, batch_size: int, seed: int) -> Iterator[list[int]]:
+def drawn_batches(n: int, batch_size: int, seed: int, lengths: Sequence[int] | None = None,
+                  groups: int = 0) -> Iterator[list[int]]:
     """The example indices of each step's batch, endlessly: `min(batch_size, n)` at a time from epochs over a fresh
-    seeded shuffle (a batch may straddle two epochs). `fit_replies` trains on these; benchmarks re-draw them."""
+    seeded shuffle (a batch may straddle two epochs). With `lengths` and `groups` > 0, `groups` batches' worth of
+    draws at a time are sorted by length, cut into batches and shuffled (`SftConfig.length_groups`).
+    `fit_replies` trains on these; benchmarks re-draw them."""
     rng = random.Random(seed)
     order: list[int] = []
+    size = min(batch_size, n)
+    pool_size = size * max(groups, 1) if lengths is not None else size
     while True:
-        batch: list[int] = []
-        while len(batch) < min(batch_size, n):
+        pool: list[int] = []
+        while len(pool) < pool_size:
             if not order:
                 order = rng.sample(range(n), n)
-            batch.append(order.pop())
-        yield batch
+            pool.append(order.pop())
+        if pool_size > size:
+            pool.sort(key=lambda i: lengths[i])
+            batches = [pool[start:start + size] for start in range(0, pool_size, size)]
+            rng.shuffle(batches)
+            yield from batches
+        else:
+            yield pool
 
 
 def micro_batches(lengths: Sequence[int], rows: int, tokens: int | None = None) -> list[list[int]]:
@@ -335,7 +350,8 @@ def fit_replies(policy: TransformersChatModel, encoded: Sequence[EncodedConversa
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda done: lr_factor(done + 1, config))
     history: list[dict[str, float]] = []
     policy.model.train()
-    batches = drawn_batches(len(encoded), config.batch_size, config.seed)
+    batches = drawn_batches(len(encoded), config.batch_size, config.seed, [len(e.ids) for e in encoded],
+                            config.length_groups)
     for step in tqdm(range(1, config.steps + 1), desc=desc, disable=not config.progress):
         batch_ids = next(batches)
         # Micro-batches of like lengths: each is padded to its longest, and the loss sums over tokens either way.
