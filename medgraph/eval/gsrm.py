@@ -106,18 +106,15 @@ def gsrm_recall_curves(tools: KnowledgeTools, items: Sequence[QaItem], tau: floa
 
 
 def gsrm_recall_by_dataset(tools: KnowledgeTools, items: Sequence[QaItem], params: Mapping[str, object],
-                        min_iterations: int = 3, batch_size: int = 64,
-                        progress: Callable[[str], None] | None = None) -> list[ItemCurve]:
+                           min_iterations: int = 3, batch_size: int = 64,
+                           progress: Callable[[str], None] | None = None) -> list[ItemCurve]:
     """Recall@10 and Recall@N at k = 0..max(K, min_iterations) for each measurable item, each dataset with its
     own tuned tau, K and N (the pooled choice for a dataset that was not tuned)."""
     by_dataset = params_by_dataset(params)
     default = (float(params["tau"]), int(params["iterations"]), int(params["top_n"]))
     hub_guard = params.get("max_triples_per_relation", A2RagConfig.max_triples_per_relation)
-    groups: dict[str, list[QaItem]] = {}
-    for item in measurable_items(items):
-        groups.setdefault(item.dataset, []).append(item)
     curves: list[ItemCurve] = []
-    for dataset, group in sorted(groups.items()):
+    for dataset, group in _measurable_by_dataset(items).items():
         tau, iterations, top_n = by_dataset.get(dataset, default)
         curves += gsrm_recall_curves(tools, group, tau, max(iterations, min_iterations),
                                      sorted({RECALL_CUTOFF, top_n}), hub_guard, batch_size, progress=progress)
@@ -208,18 +205,24 @@ def sweep_gsrm(tools: KnowledgeTools, items: Sequence[QaItem], taus: Sequence[fl
                      per_relation_limit, grid)
 
 
+def _measurable_by_dataset(items: Sequence[QaItem]) -> dict[str, list[QaItem]]:
+    """The measurable items (`measurable_items`) of each dataset, datasets in name order."""
+    groups: dict[str, list[QaItem]] = {}
+    for item in measurable_items(items):
+        groups.setdefault(item.dataset, []).append(item)
+    return dict(sorted(groups.items()))
+
+
 def sweep_gsrm_by_dataset(tools: KnowledgeTools, items: Sequence[QaItem], taus: Sequence[float] = DEFAULT_TAUS,
-                       iterations: Sequence[int] = DEFAULT_ITERATIONS, top_ns: Sequence[int] = DEFAULT_TOP_NS,
-                       per_relation_limit: int | None = A2RagConfig.max_triples_per_relation, batch_size: int = 64,
-                       progress: Callable[[str], None] | None = None) -> dict[str, GsrmSweep]:
+                          iterations: Sequence[int] = DEFAULT_ITERATIONS, top_ns: Sequence[int] = DEFAULT_TOP_NS,
+                          per_relation_limit: int | None = A2RagConfig.max_triples_per_relation,
+                          batch_size: int = 64,
+                          progress: Callable[[str], None] | None = None) -> dict[str, GsrmSweep]:
     """`sweep_gsrm` on each dataset's items apart: refinement can only act where the gold fact is not already
     in G_0 (2-hop short answers), and pooling datasets would hide that. Not per question type: A2RAG cannot
     tell a 1-hop question from a 2-hop one without the gold path."""
-    by_type: dict[str, list[QaItem]] = {}
-    for item in measurable_items(items):
-        by_type.setdefault(item.dataset, []).append(item)
-    return {kind: sweep_gsrm(tools, group, taus, iterations, top_ns, per_relation_limit, batch_size, progress)
-            for kind, group in sorted(by_type.items())}
+    return {dataset: sweep_gsrm(tools, group, taus, iterations, top_ns, per_relation_limit, batch_size, progress)
+            for dataset, group in _measurable_by_dataset(items).items()}
 
 
 def pooled_points(sweeps: Mapping[str, GsrmSweep]) -> list[SweepPoint]:
@@ -325,8 +328,8 @@ def write_gsrm_params(home: Path, default: GsrmChoice, sweeps: Mapping[str, Gsrm
     first = next(iter(sweeps.values()), None)
     payload = {**asdict(default), "split": "validation", "grid": first.grid if first else {},
                "max_triples_per_relation": first.max_triples_per_relation if first else None,
-               "by_dataset": {kind: {**asdict(choices[kind]), "points": [asdict(p) for p in sweeps[kind].points]}
-                           for kind in sweeps},
+               "by_dataset": {name: {**asdict(choices[name]), "points": [asdict(p) for p in sweeps[name].points]}
+                              for name in sweeps},
                "seconds": round(sum(s.seconds for s in sweeps.values()), 1),
                "triples_encoded": max((s.triples_encoded for s in sweeps.values()), default=0)}
     return write_atomically(params_path(home), json.dumps(payload, indent=2))
@@ -410,7 +413,7 @@ def with_tuned_gsrm(params: Mapping[str, object] | None, methods: Sequence[str],
     a2rag = [m for m in methods if method_of(m) == "a2rag"]
     tuned: dict[str, object] = {key: params[key] for key in GSRM_FIELDS if params and key in params}
     if params_by_dataset(params):
-        tuned["gsrm_by_dataset"] = [[kind, *values] for kind, values in sorted(params_by_dataset(params).items())]
+        tuned["gsrm_by_dataset"] = [[name, *values] for name, values in sorted(params_by_dataset(params).items())]
     for method in a2rag:
         merged[method] = {**tuned, **merged.get(method, {})}
     if not a2rag:
@@ -421,8 +424,8 @@ def with_tuned_gsrm(params: Mapping[str, object] | None, methods: Sequence[str],
     sources = ([f"models/gsrm_params (validation, n={params.get('n')})"] if set(tuned) - explicit else []) + \
               (["method_config"] if explicit else [])
     lineage: dict[str, object] = {label: getattr(config, key) for key, label in GSRM_FIELDS.items()}
-    lineage["gsrm_by_dataset"] = "; ".join(f"{kind}: tau={tau:g} K={k} N={n}"
-                                        for kind, tau, k, n in config.gsrm_by_dataset) or "none (one tau/K/N)"
+    lineage["gsrm_by_dataset"] = "; ".join(f"{dataset}: tau={tau:g} K={k} N={n}" for dataset, tau, k, n
+                                           in config.gsrm_by_dataset) or "none (one tau/K/N)"
     lineage["gsrm_params_source"] = " + ".join(sources) or "A2RagConfig defaults (no models/gsrm_params.json)"
     return merged, lineage
 
@@ -434,5 +437,5 @@ def tuned_a2rag_config(home: Path) -> A2RagConfig:
     params = read_gsrm_params(home) or {}
     fields: dict[str, object] = {key: type(getattr(A2RagConfig(), key))(params[key])
                                  for key in GSRM_FIELDS if key in params}
-    fields["gsrm_by_dataset"] = tuple((kind, *values) for kind, values in sorted(params_by_dataset(params).items()))
+    fields["gsrm_by_dataset"] = tuple((name, *values) for name, values in sorted(params_by_dataset(params).items()))
     return replace(A2RagConfig(), **fields)

@@ -373,7 +373,8 @@ def _evidence_sections(data: ReportData) -> list[Section]:
                           "s.e.", "n (answer concept)", "answer concept seen", "s.e."], evidence)
         sections.append(("Evidence: what retrieval put in front of the answering call as text (the gold edge "
                          "itself or a text stating it; a triple of another relation between the same concepts does "
-                         "not count; text a model wrote never counts); A2RAG's graph tokens apart", md, tab, evidence_plot(summaries)))
+                         "not count; text a model wrote never counts); A2RAG's graph tokens apart", md, tab,
+                         evidence_plot(summaries)))
 
     if data.reading:
         md, tab = _table(["method", "dataset", "accuracy, gold fact shown", "n", "accuracy, not shown", "n",
@@ -467,7 +468,11 @@ def _claims_sections(data: ReportData) -> list[Section]:
     return sections
 
 
-# The agents' decisions (`evaluate.method_statistics` shares of questions), each with its label in the report.
+# Shares of questions (`evaluate.method_statistics`) shown as their own tables, and the agents' decisions among
+# them, each with its label in the report; the statistics table lists every other statistic.
+SHARE_SECTIONS = (("routing_share/", "A2RAG routing (KG-only / Text-only / KG+Text)"),
+                  ("hiim_share/", "A2RAG HIIM mode"), ("rounds_share/", "SEMA-RAG rounds distribution"),
+                  ("action_share/", "Graph-R1 action mix"))
 DECISIONS = (("routing_share/", "A2RAG AWC route"), ("stop_share/", "SEMA-RAG E-Agent stop"),
              ("schema_share/", "SEMA-RAG I-Agent schema"), ("first_action_share/", "Graph-R1 first action"))
 
@@ -507,10 +512,7 @@ def _cost_sections(data: ReportData) -> list[Section]:
                       "p50 s", "p95 s"], cost)
     sections.append(("Latency and token cost", md, tab, cost_plot(summaries) if summaries else None))
 
-    for prefix, title in (("routing_share/", "A2RAG routing (KG-only / Text-only / KG+Text)"),
-                          ("hiim_share/", "A2RAG HIIM mode"),
-                          ("rounds_share/", "SEMA-RAG rounds distribution"),
-                          ("action_share/", "Graph-R1 action mix")):
+    for prefix, title in SHARE_SECTIONS:
         shares = [(s["method"], s["dataset"], k.removeprefix(prefix), float(v)) for s in summaries
                   for k, v in s["extra"].items() if k.startswith(prefix)]
         if shares:
@@ -518,8 +520,7 @@ def _cost_sections(data: ReportData) -> list[Section]:
             sections.append((title, md, tab, shares_plot(summaries, prefix, title)))
 
     stats = [(s["method"], s["dataset"], k, float(v)) for s in summaries for k, v in s["extra"].items()
-             if not any(k.startswith(p) for p in ("routing_share/", "hiim_share/", "rounds_share/", "action_share/",
-                                                "stop_share/", "schema_share/", "first_action_share/"))]
+             if not k.startswith(tuple(p for p, _ in (*SHARE_SECTIONS, *DECISIONS)))]
     if stats:
         md, tab = _table(["method", "dataset", "statistic", "value"], stats)
         sections.append(("Method statistics (GSRM recall per iteration, rounds, early stops, steps)", md, tab,

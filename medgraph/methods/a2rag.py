@@ -79,8 +79,8 @@ class A2RagConfig:
     demonstration: bool = False
 
     def __post_init__(self) -> None:  # run config and JSON give lists
-        object.__setattr__(self, "gsrm_by_dataset", tuple((str(kind), float(tau), int(k), int(n))
-                                                       for kind, tau, k, n in self.gsrm_by_dataset))
+        object.__setattr__(self, "gsrm_by_dataset", tuple((str(dataset), float(tau), int(k), int(n))
+                                                          for dataset, tau, k, n in self.gsrm_by_dataset))
 
     def gsrm_for(self, item: QaItem) -> tuple[float, int, int]:
         """(tau, K, N) for this item: its dataset's, else the configured ones."""
@@ -314,10 +314,13 @@ def routing_of(tools_used: set[str]) -> str:
 
 @dataclass
 class _Evidence:
-    triples: list[tuple[Triple, float]] = field(default_factory=list)
+    gsrm: GsrmResult | None = None  # T_KG's result (kept whole for the recall of gold facts measured after the run)
     passages: list[Passage] = field(default_factory=list)
     queries: list[str] = field(default_factory=list)
-    gsrm: GsrmResult | None = None  # T_KG's result, for the recall of gold facts measured after the run
+
+    @property
+    def triples(self) -> list[tuple[Triple, float]]:
+        return self.gsrm.triples if self.gsrm is not None else []
 
     def add_passages(self, found: Sequence[Passage]) -> list[Passage]:
         seen = {p.chunk_id for p in self.passages}
@@ -420,7 +423,6 @@ class A2Rag:
         result: GsrmResult = output.value
         step.latency_s += output.latency_s
         step.retrieved_ids = [t.edge_id for t, _ in result.triples]
-        evidence.triples = result.triples
         evidence.gsrm = result
         tools_used.add(T_KG)
         stats.update(result.stats())

@@ -222,8 +222,8 @@ def _concept_text_states(cui: str, text: str, facts: Sequence[frozenset[str]], n
 def record_evidence_recall(tools: KnowledgeTools, items: Sequence[QaItem], results: Sequence[MethodResult]) -> None:
     """Set each result's `gold_fact_seen`, `gold_fact_top10` and `answer_seen` (also in its stats) from
     the evidence its answering call was shown as text (`common.evidence_metrics`), and the share of gold facts
-    among its graph tokens' triples (stats `gold_fact_in_graph_tokens`, A2RAG with HIIM): one mentions lookup for every
-    shown chunk, one dictionary pass over the sentences of every other shown text. None where the item
+    among its graph tokens' triples (stats `gold_fact_in_graph_tokens`, A2RAG with HIIM): one mentions lookup
+    for every shown chunk, one dictionary pass over the sentences of every other shown text. None where the item
     carries no gold facts / answer concepts (e.g. MIRAGE items, a "no" question's facts)."""
     gold = [(gold_facts(item), answer_cuis(item)) for item in items]
     measured = [i for i, (facts, answers) in enumerate(gold) if facts or answers]

@@ -231,11 +231,11 @@ def _item_nlls(llm: ChatModel, tokenizer: GraphTokenizer | None, examples: Seque
 @contextmanager
 def layer_inputs_only(model: torch.nn.Module) -> Iterator[None]:
     """Activation checkpointing on the frozen LLM while W_proj trains (`ProjectorConfig.recompute_layers`): the
-    backward pass keeps each decoder layer's input and recomputes the rest. Kept whole, the activations of A2RAG's answer prompts are ~1 MB per token
-    (6.9 GB peak for 2 prompts on a 1M-row synthetic release, 3.5 GB with this; benchmarks/README.md "The model
-    steps"). Transformers checkpoints a layer only in training mode, so only the layer modules themselves are
-    marked training: their attention and MLP stay in eval mode (no dropout), and the loss and gradients are the
-    ones without it."""
+    backward pass keeps each decoder layer's input and recomputes the rest. Kept whole, the activations of
+    A2RAG's answer prompts are ~1 MB per token (6.9 GB peak for 2 prompts on a 1M-row synthetic release, 3.5 GB
+    with this; benchmarks/README.md "The model steps"). Transformers checkpoints a layer only in training mode, so
+    only the layer modules themselves are marked training: their attention and MLP stay in eval mode (no
+    dropout), and the loss and gradients are the ones without it."""
     from transformers.modeling_layers import GradientCheckpointingLayer
 
     layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]

@@ -304,20 +304,20 @@ def drawn_batches(n: int, batch_size: int, seed: int, lengths: Sequence[int] | N
     rng = random.Random(seed)
     order: list[int] = []
     size = min(batch_size, n)
-    pool_size = size * max(groups, 1) if lengths is not None else size
+    grouped = groups > 1 and lengths is not None
     while True:
         pool: list[int] = []
-        while len(pool) < pool_size:
+        while len(pool) < size * (groups if grouped else 1):
             if not order:
                 order = rng.sample(range(n), n)
             pool.append(order.pop())
-        if pool_size > size:
-            pool.sort(key=lambda i: lengths[i])
-            batches = [pool[start:start + size] for start in range(0, pool_size, size)]
-            rng.shuffle(batches)
-            yield from batches
-        else:
+        if not grouped:
             yield pool
+            continue
+        pool.sort(key=lambda i: lengths[i])
+        batches = [pool[start:start + size] for start in range(0, len(pool), size)]
+        rng.shuffle(batches)
+        yield from batches
 
 
 def micro_batches(lengths: Sequence[int], rows: int, tokens: int | None = None) -> list[list[int]]:
