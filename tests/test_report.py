@@ -114,10 +114,10 @@ def test_report_flags_agent_decisions_taken_for_nearly_every_question(tmp_path: 
         row.update(gold_fact_seen=0.5, gold_fact_seen_se=0.1, gold_fact_seen_n=8)
     markdown = build_report(ReportData(summaries, {"LLM": "x"}), tmp_path)["markdown"].read_text(encoding="utf-8")
     decisions = markdown.split("## Agent decisions")[1].split("## ")[0]
-    assert "| a2rag | kgqa_mc | A2RAG AWC route | none | 0.750 |  |" in decisions
-    assert "| sema-rag | kgqa_mc | SEMA-RAG E-Agent stop | sufficient | 1.000 | degenerate |" in decisions
-    assert "| sema-rag | kgqa_mc | SEMA-RAG I-Agent schema | question as query | 0.960 | degenerate |" in decisions
-    assert "| graph-r1 | kgqa_mc | Graph-R1 first action |" in decisions and decisions.count("degenerate |") == 2
+    assert "| a2rag | kgqa_mc | 8 | A2RAG AWC route | none | 0.750 |  |" in decisions
+    assert "| sema-rag | kgqa_mc | 8 | SEMA-RAG E-Agent stop | sufficient | 1.000 | degenerate |" in decisions
+    assert "| sema-rag | kgqa_mc | 8 | SEMA-RAG I-Agent schema | question as query | 0.960 | degenerate |" in decisions
+    assert "| graph-r1 | kgqa_mc | 8 | Graph-R1 first action |" in decisions and decisions.count("degenerate |") == 2
     evidence = markdown.split("## Evidence")[1].split("## ")[0]
     assert "| a2rag | kgqa_mc | 8 | 0.500 | 0.100 | 0.500 |" in evidence  # gold fact in graph tokens
     assert "| sema-rag | kgqa_mc | 8 | 0.500 | 0.100 | - |" in evidence

@@ -478,7 +478,7 @@ DECISIONS = (("routing_share/", "A2RAG AWC route"), ("stop_share/", "SEMA-RAG E-
 
 
 def degenerate_decisions(summaries: Sequence[Mapping[str, object]]) -> list[tuple[object, ...]]:
-    """(method, dataset, decision, most frequent choice, its share, flag) for every agent decision a row made:
+    """(method, dataset, n, decision, most frequent choice, its share, flag) for every agent decision a row made:
     "degenerate" when one choice was taken for at least `DEGENERATE_SHARE` of the questions."""
     rows = []
     for s in summaries:
@@ -486,7 +486,7 @@ def degenerate_decisions(summaries: Sequence[Mapping[str, object]]) -> list[tupl
             shares = {k.removeprefix(prefix): float(v) for k, v in s["extra"].items() if k.startswith(prefix)}
             if shares:
                 choice, share = max(shares.items(), key=lambda kv: kv[1])
-                rows.append((s["method"], s["dataset"], label, choice, share,
+                rows.append((s["method"], s["dataset"], s["questions"], label, choice, share,
                              "degenerate" if share >= DEGENERATE_SHARE else ""))
     return rows
 
@@ -495,7 +495,7 @@ def _decision_sections(data: ReportData) -> list[Section]:
     rows = degenerate_decisions(data.summaries)
     if not rows:
         return []
-    md, tab = _table(["method", "dataset", "decision", "most frequent", "share", "flag"], rows)
+    md, tab = _table(["method", "dataset", "n", "decision", "most frequent", "share", "flag"], rows)
     return [(f"Agent decisions (a choice taken for at least {DEGENERATE_SHARE:.0%} of the questions is flagged "
              "degenerate: the row then measures that fixed choice, not the agent's decision)", md, tab, None)]
 
