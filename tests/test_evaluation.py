@@ -7,7 +7,7 @@ from pathlib import Path
 
 import dagster as dg
 import pytest
-from conftest import copy_warehouse, share_converted_llm
+from conftest import TEST_ENCODER, copy_warehouse, share_converted_llm
 
 from medgraph.eval.evaluate import binomial_se, summarize
 from medgraph.eval.families import FAMILIES, EvalRequestError, checked_eval_request
@@ -70,7 +70,7 @@ def resources(eval_home: Path, mlflow_db: Path) -> dict[str, dg.ConfigurableReso
     (the session's conversion, linked into the home by `eval_home`) and the encoder itself."""
     llm = LlmResource(spec="smollm2-135m-instruct", home=str(eval_home))
     return {"warehouse": WarehouseResource(home=str(eval_home)), "llm": llm,
-            "encoder": EncoderResource(max_length=128),
+            "encoder": EncoderResource(**TEST_ENCODER),
             "mlflow_tracking": MlflowResource(tracking_uri=f"sqlite:///{mlflow_db}",
                                               artifact_root=str(eval_home / "artifacts")),
             "training": TrainingResource(profile="tiny")}
@@ -141,7 +141,7 @@ def test_a_copied_home_writes_its_runs_and_models_only_into_itself(eval_home: Pa
     def home_resources(home: Path) -> dict[str, dg.ConfigurableResource]:
         return {"warehouse": WarehouseResource(home=str(home)),
                 "llm": LlmResource(spec="smollm2-135m-instruct", home=str(home)),
-                "encoder": EncoderResource(max_length=128),
+                "encoder": EncoderResource(**TEST_ENCODER),
                 "mlflow_tracking": MlflowResource(tracking_uri=f"sqlite:///{home / 'mlflow.db'}",
                                                   artifact_root=str(home / "artifacts"))}
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import dagster as dg
 import pytest
-from conftest import copy_warehouse
+from conftest import TEST_ENCODER, copy_warehouse
 
 from medgraph.eval.gsrm import (
     SweepPoint,
@@ -175,7 +175,7 @@ def gsrm_home(retrieval_warehouse: Warehouse, tmp_path: Path) -> Path:
 
 
 def test_gsrm_assets_tune_on_validation_and_measure_every_test_item(gsrm_home: Path, mlflow_db: Path):
-    encoder_resource = EncoderResource(max_length=128)
+    encoder_resource = EncoderResource(**TEST_ENCODER)
     resources = {"warehouse": WarehouseResource(home=str(gsrm_home)), "encoder": encoder_resource,
                  "mlflow_tracking": MlflowResource(tracking_uri=f"sqlite:///{mlflow_db}",
                                                    artifact_root=str(gsrm_home / "artifacts"))}
@@ -238,7 +238,7 @@ def test_eval_a2rag_runs_gsrm_with_the_tuned_values_and_records_them(gsrm_home: 
             return ScriptedChatModel(lambda conversation: "<answer>A</answer>")
 
     llm = ScriptedLlm(home=str(gsrm_home))
-    encoder_resource = EncoderResource(max_length=128)
+    encoder_resource = EncoderResource(**TEST_ENCODER)
     resources = {"warehouse": WarehouseResource(home=str(gsrm_home)), "encoder": encoder_resource, "llm": llm,
                  "mlflow_tracking": MlflowResource(tracking_uri=f"sqlite:///{mlflow_db}",
                                                    artifact_root=str(gsrm_home / "artifacts"))}

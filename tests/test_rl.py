@@ -22,7 +22,7 @@ from pathlib import Path
 import dagster as dg
 import pytest
 import torch
-from conftest import copy_warehouse
+from conftest import TEST_ENCODER, copy_warehouse
 
 from medgraph.llm.base import GenerationConfig, assistant, system, user
 from medgraph.llm.hf import TransformersChatModel
@@ -692,7 +692,7 @@ def test_policy_assets_train_register_and_load_the_champion(qa_warehouse: Wareho
     grpo_learning.py's question), in 6 s instead of SmolLM2's 76."""
     home = qa_warehouse.path.parent
     tracking_uri = f"sqlite:///{mlflow_db}"
-    resources = {"warehouse": WarehouseResource(home=str(home)), "encoder": EncoderResource(max_length=128),
+    resources = {"warehouse": WarehouseResource(home=str(home)), "encoder": EncoderResource(**TEST_ENCODER),
                  "llm": LlmResource(spec=str(tiny_llm_dir), home=str(tmp_path), device="cpu"),
                  "mlflow_tracking": MlflowResource(tracking_uri=tracking_uri, artifact_root=str(tmp_path / "art")),
                  "training": TrainingResource(profile="tiny")}

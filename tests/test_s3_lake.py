@@ -24,6 +24,8 @@ TABLES = ["umls.mrconso", "umls.mrrel", "umls.mrsty", "umls.mrdef", "umls.mrsab"
           "kg.kg_nodes", "kg.kg_edges", "kg.kg_node_text", "kg.kg_relations", "kg.kg_node_names",
           "text.corpus_chunks", "kg.kg_chunk_mentions", "kg.kg_chunk_links", "qa.qa_items"]
 EMBEDDING_TABLES = ["embeddings.node_embeddings", "embeddings.chunk_embeddings"]
+# Short texts in bfloat16 keep the two runs' encoding to seconds; the lake is what is under test, not the model.
+LAKE_ENCODER = {"max_length": 16, "batch_size": 128, "dtype": "bfloat16"}
 
 
 @pytest.fixture
@@ -53,8 +55,7 @@ def materialize_graph(env: dict[str, str]) -> Warehouse:
     from resources.encoder import EncoderResource
 
     resources = build_resources(load_settings(env))
-    # Short texts keep the two runs' encoding to seconds; the lake is what is under test, not the model.
-    resources["encoder"] = EncoderResource(spec="minilm", max_length=16, batch_size=128)
+    resources["encoder"] = EncoderResource(spec="minilm", **LAKE_ENCODER)
     embedding_assets = [a for a in embeddings.embedding_assets
                         if a.key.path[-1] in ("node_embeddings", "chunk_embeddings")]
     result = dg.materialize([umls.umls_release, *umls.umls_tables, *umls.umls_checks, kg.kg_dbt_models,
@@ -231,7 +232,7 @@ def test_failed_embedding_write_on_s3_keeps_the_previous_table(both_lakes: BothL
 
     monkeypatch.setattr(S3Lake, "install", failing_upload)
     with pytest.raises(ConnectionError):  # the asset's encoder: every vector is reused, the new file written
-        embed_source(remote, "node_embeddings", load_encoder("minilm", max_length=16, batch_size=128))
+        embed_source(remote, "node_embeddings", load_encoder("minilm", **LAKE_ENCODER))
 
     assert s3.head_object(Bucket=bucket, Key=key)["ETag"] == before
     assert remote.count("embeddings.node_embeddings") == rows
