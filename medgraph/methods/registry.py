@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from medgraph.llm.base import ChatModel
+from medgraph.llm.hf import release_freed_memory
 from medgraph.methods.a2rag import A2Rag, A2RagConfig, GraphTokenEncoder, record_gsrm_gold_recall
 from medgraph.methods.agent import Episode, run_lockstep
 from medgraph.methods.baselines import (
@@ -179,6 +180,12 @@ def run_method(name: str, items: Sequence[QaItem], retriever: Retriever | Knowle
         spec.record_gold(tools, items, results)
     record_evidence_recall(tools, items, results)
     record_gold_doc_recall(tools, items, results)
+    # The next run starts with empty caches anyway: give their keys/values (up to 1 GB a model) back now, not
+    # after the next run's first call (a long Dagster run's process otherwise carries them from step to step).
+    for model in (llm, reader):
+        if model is not None:
+            model.clear_prefix_cache()
+    release_freed_memory()
     return results
 
 

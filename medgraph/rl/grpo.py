@@ -45,7 +45,7 @@ import torch
 from tqdm.auto import tqdm
 
 from medgraph.llm.base import ChatModel
-from medgraph.llm.hf import TransformersChatModel, autocast
+from medgraph.llm.hf import TransformersChatModel, autocast, release_freed_memory
 from medgraph.methods.graph_r1 import GraphR1Config, GraphR1Env
 from medgraph.qa.item import QaItem
 from medgraph.rl.model import (
@@ -327,6 +327,7 @@ def train_grpo(model_dir: str | Path, env: GraphR1Env, train: Sequence[QaItem], 
     for step in tqdm(range(start + 1, config.steps + 1), desc="grpo", disable=not (config.progress and dist.is_main),
                      initial=start, total=config.steps):
         record = _grpo_step(step, policy, loss_model, reference, engine, env, train, optimizer, reward, config, dist)
+        release_freed_memory()  # rollouts and updates of every length: glibc would keep their freed blocks
         if dist.is_main and valid and (step % config.eval_every == 0 or step == config.steps):
             record.update(validate())
         history.append({"step": step, **record})

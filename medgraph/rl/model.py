@@ -19,10 +19,8 @@ checkpoint intact.
 
 from __future__ import annotations
 
-import functools
 import json
 import shutil
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -93,26 +91,6 @@ def load_trainable(model_dir: str | Path, *, lora: LoraSettings | None = None, a
             chat.model = get_peft_model(chat.model, config)
     fuse_lora_updates(chat.model)
     return chat
-
-
-def release_freed_memory() -> None:
-    """Give the memory of freed tensors back to the OS (glibc's `malloc_trim`; nothing elsewhere). A fit's
-    activations change shape every step (examples of every length), and glibc keeps the freed blocks in its
-    heaps, so without this a CPU fit's resident memory grows step after step. About a millisecond."""
-    trim = _malloc_trim()
-    if trim is not None:
-        trim(0)
-
-
-@functools.cache
-def _malloc_trim() -> Callable[[int], int] | None:
-    import ctypes
-    import ctypes.util
-
-    try:
-        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
-    except (OSError, AttributeError):  # not glibc (macOS, musl): its allocator returns memory its own way
-        return None
 
 
 def is_lora(model: nn.Module) -> bool:

@@ -40,7 +40,7 @@ import torch
 from tqdm.auto import tqdm
 
 from medgraph.kg.graph import Triple
-from medgraph.llm.hf import TransformersChatModel, autocast
+from medgraph.llm.hf import TransformersChatModel, autocast, release_freed_memory
 from medgraph.methods.graph_r1 import EnvStep, GraphR1Config, GraphR1Env, GraphR1State
 from medgraph.qa.item import QaItem
 from medgraph.rl.grpo import SMALL_ENV, TINY_ENV
@@ -48,7 +48,6 @@ from medgraph.rl.model import (
     load_trainable,
     lora_of,
     make_batch,
-    release_freed_memory,
     token_logprobs,
     trainable_parameters,
 )
