@@ -25,7 +25,8 @@ import torch
 from conftest import TEST_ENCODER, copy_warehouse
 
 from medgraph.llm.base import GenerationConfig, assistant, system, user
-from medgraph.llm.hf import TransformersChatModel
+from medgraph.llm.hf import TransformersChatModel, cpu_has_bf16
+from medgraph.llm.lora import frozen_linears_in_bf16
 from medgraph.methods.graph_r1 import GraphR1Config, GraphR1Env, GraphR1State
 from medgraph.methods.registry import make_config, method_of
 from medgraph.qa.generate import generate_qa_items
@@ -393,6 +394,40 @@ def test_lora_updates_in_one_addmm_train_as_peft_s_own_forward(tiny_llm_dir: Pat
         peft_loss = torch.tensor([h["train_nll"] for h in peft_history])
         assert float(peft_loss[-1]) < float(peft_loss[0])  # it trains
         torch.testing.assert_close(fused_loss, peft_loss, rtol=0.02 if bf16 else 1e-4, atol=0)
+
+
+@pytest.mark.skipif(not cpu_has_bf16(), reason="bf16 autocast on the CPU needs AVX512-BF16 or AMX")
+def test_a_fit_with_bf16_frozen_weights_is_the_fit_with_float32_ones(tiny_llm_dir: Path):
+    """What `fit_replies` ships under bf16 autocast (frozen Linear weights stored in bf16) against the same fit
+    with the float32 weights autocast casts at every use: the same loss at each of 20 LoRA steps, the same
+    adapter, and the float32 base weights back afterwards (merging and evaluation read them)."""
+    from medgraph.rl.sft import _fit_steps, fit_replies
+
+    generator = torch.Generator().manual_seed(0)
+    encoded = [EncodedConversation(ids := torch.randint(0, 1000, (n,), generator=generator).tolist(),
+                                   [0] * (len(ids) - 4) + [1] * 4) for n in (12, 20, 9, 31, 17, 25, 14, 22)]
+    config = SftConfig(steps=20, batch_size=4, micro_batch_size=2, lr=1e-2, lora_r=8, lora_alpha=16, device="cpu")
+    shipped = load_trainable(tiny_llm_dir, lora=lora_of(config), device="cpu")
+    float32 = load_trainable(tiny_llm_dir, lora=lora_of(config), device="cpu")
+    base = {name: p for name, p in shipped.model.named_parameters() if not p.requires_grad}
+    history, _ = fit_replies(shipped, encoded, config)
+
+    torch.manual_seed(config.seed)  # fit_replies' steps without the bf16 weights
+    optimizer = torch.optim.AdamW(trainable_parameters(float32.model), lr=config.lr, weight_decay=config.weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda done: lr_factor(done + 1, config))
+    reference = _fit_steps(float32, encoded, config, optimizer, scheduler, None, "sft")
+
+    assert [h["train_nll"] for h in history] == [h["train_nll"] for h in reference]
+    assert history[-1]["train_nll"] < history[0]["train_nll"]
+    for (name, trained), (_, expected) in zip(shipped.model.named_parameters(), float32.model.named_parameters(),
+                                              strict=True):
+        assert trained.dtype == torch.float32, name
+        if name in base:
+            assert trained is base[name]  # the very float32 tensors, untouched
+        else:
+            torch.testing.assert_close(trained, expected, rtol=0, atol=0)
+    with frozen_linears_in_bf16(shipped.model) as changed:
+        assert changed == 7 * shipped.model.config.num_hidden_layers  # attention and MLP projections; not the LM head
 
 
 TOY_ENV = GraphR1Env(None, GraphR1Config(actions=(), max_steps=2, max_new_tokens=16))  # answers only: no retriever

@@ -6,7 +6,9 @@ without the platform's other dependencies.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+from collections.abc import Iterator
 
 import torch
 from torch import nn
@@ -53,3 +55,28 @@ def _addmm_lora_linear() -> type:
             return flat.view(result.shape)
 
     return AddmmLoraLinear
+
+
+@contextlib.contextmanager
+def frozen_linears_in_bf16(model: nn.Module, enabled: bool = True) -> Iterator[int]:
+    """Within the block, the frozen `nn.Linear` weights of `model` are stored in bfloat16; the float32 ones come
+    back on exit (merging an adapter and evaluating read them). Yields how many layers it changed.
+
+    For passes under bf16 autocast only: autocast casts a Linear's weight to bf16 at every use and caches the cast
+    only for weights that require grad, so each micro-batch of a LoRA fit re-cast the whole frozen model. Stored
+    in bf16 the numbers are the same and the cast is gone. A weight tied to the input embeddings (SmolLM2's LM
+    head) stays: the embedding lookup is not autocast."""
+    if not enabled:
+        yield 0
+        return
+    embedding = model.get_input_embeddings().weight
+    kept: dict[nn.Linear, nn.Parameter] = {}
+    for module in model.modules():
+        if type(module) is nn.Linear and not module.weight.requires_grad and module.weight is not embedding:
+            kept[module] = module.weight
+            module.weight = nn.Parameter(module.weight.detach().to(torch.bfloat16), requires_grad=False)
+    try:
+        yield len(kept)
+    finally:
+        for module, weight in kept.items():
+            module.weight = weight

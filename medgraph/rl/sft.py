@@ -40,7 +40,8 @@ import torch
 from tqdm.auto import tqdm
 
 from medgraph.kg.graph import Triple
-from medgraph.llm.hf import TransformersChatModel, autocast, release_freed_memory
+from medgraph.llm.hf import TransformersChatModel, autocast, autocasts_to_bf16, release_freed_memory
+from medgraph.llm.lora import frozen_linears_in_bf16
 from medgraph.methods.graph_r1 import EnvStep, GraphR1Config, GraphR1Env, GraphR1State
 from medgraph.qa.item import QaItem
 from medgraph.rl.grpo import SMALL_ENV, TINY_ENV
@@ -347,6 +348,16 @@ def fit_replies(policy: TransformersChatModel, encoded: Sequence[EncodedConversa
     torch.manual_seed(config.seed)
     optimizer = torch.optim.AdamW(trainable_parameters(policy.model), lr=config.lr, weight_decay=config.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda done: lr_factor(done + 1, config))
+    with frozen_linears_in_bf16(policy.model, autocasts_to_bf16(policy.device, config.bf16)):
+        history = _fit_steps(policy, encoded, config, optimizer, scheduler, log_fn, desc)
+    seconds = time.perf_counter() - started
+    return history, {"train_nll_first": history[0]["train_nll"], "train_nll_last": history[-1]["train_nll"],
+                     "train_seconds": seconds, "seconds_per_step": seconds / config.steps}
+
+
+def _fit_steps(policy: TransformersChatModel, encoded: Sequence[EncodedConversation], config: SftConfig,
+               optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LRScheduler,
+               log_fn: Callable[[int, dict[str, float]], None] | None, desc: str) -> list[dict[str, float]]:
     history: list[dict[str, float]] = []
     policy.model.train()
     batches = drawn_batches(len(encoded), config.batch_size, config.seed, [len(e.ids) for e in encoded],
@@ -376,6 +387,4 @@ def fit_replies(policy: TransformersChatModel, encoded: Sequence[EncodedConversa
         if log_fn:
             log_fn(step, record)
     policy.model.eval()
-    seconds = time.perf_counter() - started
-    return history, {"train_nll_first": history[0]["train_nll"], "train_nll_last": history[-1]["train_nll"],
-                     "train_seconds": seconds, "seconds_per_step": seconds / config.steps}
+    return history
