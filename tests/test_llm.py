@@ -172,7 +172,7 @@ def test_the_decode_cache_grows_in_place_and_holds_what_concatenation_would() ->
     # it (the buffer grows); then the first row leaves with the leading column only it needed.
     generator = torch.Generator().manual_seed(0)
     rows = [tuple(torch.randn(1, 3, length, 4, generator=generator) for _ in range(2)) for length in (3, 5)]
-    layer = _GrowingLayer(rows, width=5, room=2)
+    layer = _GrowingLayer.of_rows(rows, width=5, room=2)
     expected_keys = torch.cat([torch.nn.functional.pad(keys, (0, 0, 5 - keys.shape[-2], 0)) for keys, _ in rows])
     assert torch.equal(layer.keys, expected_keys) and layer.get_seq_length() == 5
     storage = layer.keys.untyped_storage().data_ptr()

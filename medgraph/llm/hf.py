@@ -303,18 +303,21 @@ class _GrowingLayer(DynamicLayer):
     every step; at 24 rows of 1,900 tokens that was 69% of a decode step (8 rows: 47%). `keys`/`values` are
     views of the filled part, as DynamicLayer's tensors are to the model."""
 
-    def __init__(self, rows: list[tuple[torch.Tensor, torch.Tensor]], width: int, room: int,
-                 batch: int | None = None, like: torch.Tensor | None = None):
-        """`rows`: each row's (keys, values), (1, heads, length <= width, head_dim), right-aligned at `width`;
-        `batch` rows in all (default: these), the others filled later with `put`; `like`: a tensor of the
-        keys' dtype, device, heads and head size when `rows` is empty."""
+    def __init__(self, batch: int, width: int, room: int, like: torch.Tensor):
+        """Room for `batch` rows of `width` columns plus `room` for decoding, filled row by row with `put`;
+        `like`: a tensor of the keys' dtype, device, heads and head size."""
         super().__init__()
-        like = rows[0][0] if like is None else like
         self.is_initialized, self.device = True, like.device
-        self._allocate(len(rows) if batch is None else batch, width + room, like)
+        self._allocate(batch, width + room, like)
         self._filled(width)
+
+    @classmethod
+    def of_rows(cls, rows: list[tuple[torch.Tensor, torch.Tensor]], width: int, room: int) -> _GrowingLayer:
+        """`rows`: each row's (keys, values), (1, heads, length <= width, head_dim), right-aligned at `width`."""
+        layer = cls(len(rows), width, room, rows[0][0])
         for slot, (keys, values) in enumerate(rows):
-            self.put(slot, keys, values)
+            layer.put(slot, keys, values)
+        return layer
 
     def put(self, slot: int, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Write one row's (1, heads, length, head_dim) keys/values into batch slot `slot`, right-aligned."""
@@ -355,7 +358,7 @@ def _growing_cache(layers: list[list[tuple[torch.Tensor, torch.Tensor]]], width:
                    config: object) -> DynamicCache:
     """A DynamicCache over `_GrowingLayer`s: `layers[layer]` holds each row's (keys, values) of that layer."""
     cache = DynamicCache(config=config)
-    cache.layers = [_GrowingLayer(rows, width, room) for rows in layers]
+    cache.layers = [_GrowingLayer.of_rows(rows, width, room) for rows in layers]
     return cache
 
 
@@ -615,8 +618,7 @@ class TransformersChatModel(ChatModel):
             # are prefilled doubled the keys/values in memory (~1 GB at 24 rows of 1,000 tokens).
             if joined is None:
                 joined = DynamicCache(config=self.model.config)
-                joined.layers = [_GrowingLayer([], width, room, batch=len(rows), like=layer.keys)
-                                 for layer in cache.layers]
+                joined.layers = [_GrowingLayer(len(rows), width, room, layer.keys) for layer in cache.layers]
             for slot, i in enumerate(group):
                 for target, layer in zip(joined.layers, cache.layers, strict=True):
                     target.put(i, layer.keys[slot:slot + 1], layer.values[slot:slot + 1])

@@ -165,9 +165,7 @@ def run_method(name: str, items: Sequence[QaItem], retriever: Retriever | Knowle
     tools = retriever if isinstance(retriever, KnowledgeTools) else KnowledgeTools(retriever)
     spec = METHODS[method_of(name)]
     method = build_method(name, tools, llm, config, graph_tokenizer)
-    for model in (llm, reader):
-        if model is not None:
-            model.clear_prefix_cache()
+    _empty_prefix_caches(llm, reader)
     asked = list(items) if spec.reads_gold else [as_asked(item) for item in items]
     results: list[MethodResult] = []
     for start in range(0, len(asked), batch_size):
@@ -182,11 +180,15 @@ def run_method(name: str, items: Sequence[QaItem], retriever: Retriever | Knowle
     record_gold_doc_recall(tools, items, results)
     # The next run starts with empty caches anyway: give their keys/values (up to 1 GB a model) back now, not
     # after the next run's first call (a long Dagster run's process otherwise carries them from step to step).
-    for model in (llm, reader):
-        if model is not None:
-            model.clear_prefix_cache()
+    _empty_prefix_caches(llm, reader)
     release_freed_memory()
     return results
+
+
+def _empty_prefix_caches(*models: ChatModel | None) -> None:
+    for model in models:
+        if model is not None:
+            model.clear_prefix_cache()
 
 
 _SENTENCE_END = re.compile(r"(?<=[.!?])\s+")
