@@ -14,7 +14,7 @@ import itertools
 import json
 import random
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 from http.server import BaseHTTPRequestHandler, HTTPServer
 from pathlib import Path
@@ -397,11 +397,12 @@ def test_lora_updates_in_one_addmm_train_as_peft_s_own_forward(tiny_llm_dir: Pat
 
 
 @pytest.mark.skipif(not cpu_has_bf16(), reason="bf16 autocast on the CPU needs AVX512-BF16 or AMX")
-def test_a_fit_with_bf16_frozen_weights_is_the_fit_with_float32_ones(tiny_llm_dir: Path):
+def test_a_fit_with_bf16_frozen_weights_is_the_fit_with_float32_ones(tiny_llm_dir: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch):
     """What `fit_replies` ships under bf16 autocast (frozen Linear weights stored in bf16) against the same fit
     with the float32 weights autocast casts at every use: the same loss at each of 20 LoRA steps, the same
     adapter, and the float32 base weights back afterwards (merging and evaluation read them)."""
-    from medgraph.rl.sft import _fit_steps, fit_replies
+    from medgraph.rl import sft
 
     generator = torch.Generator().manual_seed(0)
     encoded = [EncodedConversation(ids := torch.randint(0, 1000, (n,), generator=generator).tolist(),
@@ -410,13 +411,18 @@ def test_a_fit_with_bf16_frozen_weights_is_the_fit_with_float32_ones(tiny_llm_di
     shipped = load_trainable(tiny_llm_dir, lora=lora_of(config), device="cpu")
     float32 = load_trainable(tiny_llm_dir, lora=lora_of(config), device="cpu")
     base = {name: p for name, p in shipped.model.named_parameters() if not p.requires_grad}
-    history, _ = fit_replies(shipped, encoded, config)
+    def frozen_dtypes(chat: TransformersChatModel, seen: set) -> Callable:
+        """A log_fn noting the dtype of the frozen query projections at each step."""
+        return lambda step, record: seen.update(m.weight.dtype for name, m in chat.model.named_modules()
+                                                 if name.endswith("q_proj.base_layer"))
 
-    torch.manual_seed(config.seed)  # fit_replies' steps without the bf16 weights
-    optimizer = torch.optim.AdamW(trainable_parameters(float32.model), lr=config.lr, weight_decay=config.weight_decay)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda done: lr_factor(done + 1, config))
-    reference = _fit_steps(float32, encoded, config, optimizer, scheduler, None, "sft")
+    shipped_dtypes, reference_dtypes = set(), set()
+    history, _ = sft.fit_replies(shipped, encoded, config, frozen_dtypes(shipped, shipped_dtypes))
+    with monkeypatch.context() as patch:  # the same fit, still under bf16 autocast, with the float32 weights
+        patch.setattr(sft, "autocasts_to_bf16", lambda *args, **kwargs: False)
+        reference, _ = sft.fit_replies(float32, encoded, config, frozen_dtypes(float32, reference_dtypes))
 
+    assert shipped_dtypes == {torch.bfloat16} and reference_dtypes == {torch.float32}
     assert [h["train_nll"] for h in history] == [h["train_nll"] for h in reference]
     assert history[-1]["train_nll"] < history[0]["train_nll"]
     for (name, trained), (_, expected) in zip(shipped.model.named_parameters(), float32.model.named_parameters(),
