@@ -31,7 +31,7 @@ class QaConfig(dg.Config):
     kinds={"duckdb", "parquet", "json"},
     pool="warehouse",
     automation_condition=on_data_version_change(),
-    code_version="3",
+    code_version="4",
 )
 def qa_items(context: dg.AssetExecutionContext, config: QaConfig, warehouse: WarehouseResource) -> dg.MaterializeResult:
     """Multiple-choice, yes/no and 1-/2-hop short-answer questions read off `kg.kg_edges`, each with

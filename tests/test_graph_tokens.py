@@ -201,7 +201,8 @@ def test_one_question_per_pass_gives_the_batchs_gradient(two_examples: list[Proj
     whole = step(ProjectorConfig(micro_batch_size=2, recompute_layers=True, bf16=False))
     alone = step(ProjectorConfig(micro_batch_size=1, bf16=False))
     assert alone[0] == pytest.approx(whole[0], rel=1e-5)
-    torch.testing.assert_close(alone[1], whole[1], rtol=1e-4, atol=1e-6)  # summed in another order
+    # Summed in another order: float32 rounding, measured against the gradient's own scale.
+    torch.testing.assert_close(alone[1], whole[1], rtol=1e-4, atol=1e-4 * float(whole[1].abs().max()))
     assert float(alone[1].abs().sum()) > 0
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import random
 import tracemalloc
 from collections import Counter, defaultdict
 from dataclasses import replace
@@ -112,8 +113,10 @@ def test_every_type_is_generated_and_counted(generated, items):
     counts = Counter(item["question_type"] for item in items)
     assert stats.per_type == {t: counts[t] for t in QUESTION_TYPES}
     # 1-hop multiple choice needs three neighbours of the answer's type under other relations: the tiny KG
-    # has fewer such subjects than the other types have questions.
-    assert all(counts[t] == PER_TYPE for t in QUESTION_TYPES if t != "mc") and counts["mc"] >= 40, counts
+    # has fewer such subjects than the other types have questions. The answer-share bound drops a few of the
+    # others (a concept answering more than its share); yes/no is balanced otherwise and never dropped.
+    assert counts["yesno"] == PER_TYPE and counts["mc"] >= 40, counts
+    assert all(0.7 * PER_TYPE <= counts[t] <= PER_TYPE for t in ("mc_2hop", "short_1hop", "short_2hop")), counts
     assert stats.as_metadata()["items"] == len(items) == len({item["qid"] for item in items})
 
 
@@ -529,10 +532,12 @@ def write_kg(home: Path, nodes: list[tuple], edges: list[tuple[str, str, str]]) 
 
 def test_handmade_graph_gives_exactly_the_expected_questions(tmp_path):
     # The wording and the walk of every type, under the rule of wrong options NOT linked to the question concept
-    # (each disease here has one drug: no neighbour of another relation to offer) and no adjacency filter.
+    # (each disease here has one drug: no neighbour of another relation to offer), no adjacency filter and no
+    # answer-share bound (a handful of questions per relation: each answer is a large share).
     warehouse = handmade_warehouse(tmp_path / "home")
     generate_qa_items(warehouse, tmp_path / "qa", seed=3, per_type=100,
-                      limits=QaLimits(distractor_rule="non_neighbours", max_adjacency_chance=1.0))
+                      limits=QaLimits(distractor_rule="non_neighbours", max_adjacency_chance=1.0,
+                                      max_answer_share=1.0, max_answer_share_per_relation=1.0))
     rows = qa_rows(warehouse)
     by_type = defaultdict(list)
     for row in rows:
@@ -614,3 +619,73 @@ def test_wrong_options_are_the_diseases_other_drugs_and_a_no_is_a_drug_linked_ot
     linked = {frozenset((s, d)) for s, _, d in edges}
     assert no and all(frozenset(r["seed_cuis"]) in linked for r in no)  # a "no" asks about linked concepts
     assert "Is verapamil contraindicated in Hypertension?" not in {r["question"] for r in no}
+
+
+# A small dense graph like a semantic network: 130 concepts of five types, ~33 edges each over 52 relation labels,
+# and in each type a hub that is the object of 60% of the edges into it (what a real release of a few hundred
+# concepts looks like: "Disease or Syndrome"-like concepts answer most questions).
+DENSE_TYPES = ("T047", "T121", "T028", "T023", "T184")
+DENSE_RELATIONS = [("may_treat", "may_be_treated_by", "T121", "T047"),
+                   ("has_mechanism_of_action", "mechanism_of_action_of", "T121", "T028"),
+                   ("gene_associated_with_disease", "disease_has_associated_gene", "T028", "T047"),
+                   ("contraindicated_with_disease", "has_contraindicated_drug", "T121", "T047"),
+                   ("has_manifestation", "manifestation_of", "T047", "T184"),
+                   ("has_finding_site", "finding_site_of", "T047", "T023")] + [
+    (f"relation_{k}", f"inverse_relation_{k}", a, b)
+    for k, (a, b) in enumerate((a, b) for a in DENSE_TYPES for b in DENSE_TYPES if a != b)]
+
+
+def dense_kg(home: Path, concepts: int = 130, edges_per_concept: int = 20, hub_share: float = 0.6) -> Warehouse:
+    rng = random.Random(0)
+    syllables = "ka lo mi nu pe ra si to vu ze bo da fi gu he ja ko lu ma ne".split()
+    names: set[str] = set()
+    while len(names) < concepts:  # made-up one-word names: no word shared with a question's wording
+        names.add("".join(rng.choice(syllables) for _ in range(3)).capitalize())
+    nodes, of_type = [], defaultdict(list)
+    for i, name in enumerate(sorted(names)):
+        tui = DENSE_TYPES[i % len(DENSE_TYPES)]
+        nodes.append((f"C{i + 1:07d}", name, [], [f"Type {tui}"], [tui], None, ["TEST"]))
+        of_type[tui].append(f"C{i + 1:07d}")
+    edges = set()
+    for cui, *_, tuis, _, _ in nodes:
+        relations = [r for r in DENSE_RELATIONS if r[2] == tuis[0]]
+        for _ in range(edges_per_concept):
+            relation, inverse, _, object_type = rng.choice(relations)
+            obj = of_type[object_type][0] if rng.random() < hub_share else rng.choice(of_type[object_type])
+            if obj != cui:
+                edges |= {(cui, relation, obj), (obj, inverse, cui)}
+    return write_kg(home, nodes, sorted(edges))
+
+
+def test_on_a_dense_graph_with_hubs_the_answer_share_bound_keeps_the_majority_rule_at_chance(tmp_path):
+    warehouse = dense_kg(tmp_path / "home")
+    unbounded = QaLimits(max_answer_share=1.0, max_answer_share_per_relation=1.0)
+    stats = generate_qa_items(warehouse, tmp_path / "home" / "qa", per_type=1000, limits=unbounded)
+    fired = check_shortcuts(measure_shortcuts(warehouse))
+    assert stats.dropped_for_answer_share == 0
+    assert any(f.startswith("kgqa_short test: majority") for f in fired), fired
+
+    stats = generate_qa_items(warehouse, tmp_path / "home" / "qa", per_type=1000)
+    assert check_shortcuts(measure_shortcuts(warehouse)) == []
+    assert stats.dropped_for_answer_share > 0 and stats.per_type["short_1hop"] > 0
+    for dataset in ("kgqa_mc", "kgqa_short"):  # no concept answers more than its share of a split
+        for split in SPLIT_NAMES:
+            rows = [r for r in qa_rows(warehouse) if r["split"] == split and r["question_type"] != "yesno"
+                    and r["question_type"].startswith("mc") == (dataset == "kgqa_mc")]
+            counts = Counter(c for r in rows for c in r["answer_cuis"])
+            assert not counts or max(counts.values()) <= max(1, 0.05 * len(rows)), (dataset, split, counts)
+
+
+def test_qa_items_materialize_on_a_dense_release_with_every_blocking_check_passing(tmp_path):
+    import dagster as dg
+
+    from platform_assets.qa import no_gold_pair_in_two_splits, no_shortcut_beats_chance, qa_items
+    from resources import WarehouseResource
+
+    dense_kg(tmp_path / "home")
+    result = dg.materialize([qa_items, no_gold_pair_in_two_splits, no_shortcut_beats_chance],
+                            resources={"warehouse": WarehouseResource(home=str(tmp_path / "home"))})
+    assert result.success
+    checks = result.get_asset_check_evaluations()
+    assert {c.check_name for c in checks} == {"no_gold_pair_in_two_splits", "no_shortcut_beats_chance"}
+    assert all(c.passed for c in checks), [(c.check_name, c.description) for c in checks]

@@ -28,6 +28,9 @@ Question types (dataset names in the MIRAGE files in brackets):
                              manifestation?", and intersections, "What has <phenotype> as a
                              manifestation and is associated with the gene <gene>?"
 Short answers keep every correct concept's names and synonyms for F1/EM scoring.
+In each dataset and split no answer concept answers more than a small share of the questions
+(`QaLimits.max_answer_share`, per relation chain `max_answer_share_per_relation`): a hub that
+answers most of them would make "always say the hub" beat chance; the excess is not asked.
 
 Relation names are data: `medgraph.kg.relation_phrases` words the relations we
 know (those of the sample release and a few common UMLS RELAs) and anything else
@@ -82,6 +85,7 @@ from medgraph.qa.splits import (
     SPLIT_NAMES,
     Pair,
     balance_answer_positions,
+    bound_answer_shares,
     draft_facts,
     fact_components,
     fact_keys,
@@ -169,12 +173,19 @@ def _path_text(graph: QaGraph, draft: Draft) -> str:
     return text
 
 
-def _finish(drafts: list[Draft], graph: QaGraph, warehouse: Warehouse,
-            splits: Sequence[float]) -> tuple[list[KgQaItem], list[Pair]]:
-    """The items, split by fact, and each one's fact component."""
-    edge_ids = _edge_ids(warehouse, {edge for draft in drafts for edge in draft.path})
+def _finish(drafts: list[Draft], graph: QaGraph, warehouse: Warehouse, splits: Sequence[float], seed: int,
+            limits: QaLimits) -> tuple[list[KgQaItem], list[Pair], int]:
+    """The items, split by fact, each one's fact component, and how many drafts the answer-share bound dropped."""
     components = fact_components([draft_facts(draft) for draft in drafts])
     split_per_draft = [split_of("|".join(component), splits) for component in components]
+    draw_order = sorted(range(len(drafts)), key=lambda i: _draw_order(seed, question_id(drafts[i].question_type,
+                                                                                        drafts[i].fact)))
+    kept = sorted(bound_answer_shares(drafts, split_per_draft, draw_order, limits.max_answer_share,
+                                      limits.max_answer_share_per_relation))
+    dropped = len(drafts) - len(kept)
+    drafts, components = [drafts[i] for i in kept], [components[i] for i in kept]
+    split_per_draft = [split_per_draft[i] for i in kept]
+    edge_ids = _edge_ids(warehouse, {edge for draft in drafts for edge in draft.path})
     drafts = balance_answer_positions(drafts, split_per_draft)
     items = []
     for draft, split in zip(drafts, split_per_draft, strict=True):
@@ -198,7 +209,7 @@ def _finish(drafts: list[Draft], graph: QaGraph, warehouse: Warehouse,
             relations=draft.relations,
             hops=len(draft.relations),
         ))
-    return items, components
+    return items, components, dropped
 
 
 def _write_mirage_splits(items: Sequence[KgQaItem], out_dir: str | Path, seed: int) -> dict[str, Path]:
@@ -236,6 +247,7 @@ class QaStats:
     pairs_in_two_splits: int  # unordered gold pairs found in more than one split: 0 by construction
     json_paths: dict[str, str]
     graph_rows_read: int = 0  # adjacency and concept rows of kg.* read into Python (the rest stays in DuckDB)
+    dropped_for_answer_share: int = 0  # drafts not asked: their answer concept had its share (QaLimits)
 
     def as_metadata(self) -> dict[str, object]:
         metadata: dict[str, object] = {
@@ -251,6 +263,7 @@ class QaStats:
             "gold_pairs_in_two_splits": self.pairs_in_two_splits,
             "items_dropped_straddling_splits": 0,  # components keep every item whole: none is dropped
             "graph_rows_read": self.graph_rows_read,
+            "items_dropped_for_answer_share": self.dropped_for_answer_share,
         }
         metadata.update({f"items_{t}": n for t, n in self.per_type.items()})
         metadata.update({f"split_{s}": n for s, n in self.per_split.items()})
@@ -291,6 +304,21 @@ def _take_unique(drafts: Iterator[Draft], count: int) -> list[Draft]:
     return taken
 
 
+def _draft(warehouse: Warehouse, seed: int, counts: Mapping[str, int], limits: QaLimits) -> tuple[list[Draft], QaGraph]:
+    """Up to `counts[type]` drafts of each question type, and the graph view they were read from (with the names
+    of every concept their gold paths and questions mention)."""
+    with warehouse.connect(read_only=True) as con:
+        graph = QaGraph(con, limits)
+        drafts: list[Draft] = []
+        for question_type in QUESTION_TYPES:
+            rng = random.Random(f"{seed}:{question_type}")
+            drafts += _take_unique(_DRAFTERS[question_type](graph, rng), counts[question_type])
+        # Names for the gold path texts, read while the connection is open.
+        graph._load_concepts({c for draft in drafts for edge in draft.path for c in edge[::2]}
+                             | {c for draft in drafts for c in draft.seed_cuis})
+    return drafts, graph
+
+
 def generate_qa_items(
     warehouse: Warehouse,
     out_dir: str | Path,
@@ -309,18 +337,8 @@ def generate_qa_items(
     started = time.perf_counter()
     if len(splits) != len(SPLIT_NAMES) or min(splits) < 0 or abs(sum(splits) - 1.0) > 1e-9:
         raise ValueError(f"splits must be three non-negative fractions summing to 1, got {tuple(splits)}")
-    counts = _per_type_counts(per_type)
-    with warehouse.connect(read_only=True) as con:
-        graph = QaGraph(con, limits)
-        drafts: list[Draft] = []
-        for question_type in QUESTION_TYPES:
-            rng = random.Random(f"{seed}:{question_type}")
-            drafts += _take_unique(_DRAFTERS[question_type](graph, rng), counts[question_type])
-        # Names for the gold path texts, read while the connection is open.
-        graph._load_concepts({c for draft in drafts for edge in draft.path for c in edge[::2]}
-                             | {c for draft in drafts for c in draft.seed_cuis})
-        rows_read = graph.rows_read
-    items, components = _finish(drafts, graph, warehouse, splits)
+    drafts, graph = _draft(warehouse, seed, _per_type_counts(per_type), limits)
+    items, components, dropped = _finish(drafts, graph, warehouse, splits, seed, limits)
     leaked = gold_pairs_in_several_splits(items)
     if leaked:  # cannot happen by construction; never publish a leaking benchmark if it ever does
         raise AssertionError(f"{len(leaked)} gold pairs in several splits, e.g. {next(iter(leaked.items()))}")
@@ -347,7 +365,8 @@ def generate_qa_items(
         fact_components=len(component_sizes),
         largest_component=max(component_sizes.values(), default=0),
         pairs_in_two_splits=len(leaked),
-        graph_rows_read=rows_read,
+        graph_rows_read=graph.rows_read,
+        dropped_for_answer_share=dropped,
     )
     log.info("qa items: %d (%s) in %.1fs", stats.items, stats.per_type, stats.seconds)
     return stats

@@ -42,6 +42,11 @@ class QaLimits:
     # trying every concept made generation time grow with the graph. Past this many tries the 2-hop short
     # answers come from chains alone. The demo KG (7k concepts) never reaches it.
     max_intersection_tries: int = 50_000
+    # In each dataset and split, one answer concept answers at most this share of the questions (of those asking
+    # by one relation chain: the second share); the excess is not asked (`medgraph.qa.splits.bound_answer_shares`).
+    # 1.0 switches the bound off.
+    max_answer_share: float = 0.05
+    max_answer_share_per_relation: float = 0.2
 
 
 SUBJECT_BATCH = 256  # question subjects whose neighbourhoods are read together

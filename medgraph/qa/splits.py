@@ -5,6 +5,7 @@ share a fact join (transitively) into components and each component lands whole 
 from __future__ import annotations
 
 import hashlib
+from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import replace
 
@@ -12,6 +13,10 @@ from medgraph.qa.drafting import DATASET_OF_TYPE, OPTION_LETTERS, Draft
 from medgraph.qa.kg_view import Edge
 
 SPLIT_NAMES = ("train", "validation", "test")
+# Hashed with every split key. Changed once, on 2026-12-07 (it was empty): earlier choices had read misses of the
+# old test split; the questions now in test were never looked at to choose anything. Choices are made on
+# validation; test is read only for the report. Changing it again re-draws every split.
+SPLIT_SALT = "medgraph-2026-12-07"
 
 
 def question_id(question_type: str, fact: Sequence[str]) -> str:
@@ -21,8 +26,8 @@ def question_id(question_type: str, fact: Sequence[str]) -> str:
 
 
 def split_of(key: str, fractions: Sequence[float] = (0.8, 0.1, 0.1)) -> str:
-    """train / validation / test from the sha1 of `key`: stable, never random."""
-    position = int(hashlib.sha1(key.encode("utf-8")).hexdigest()[:15], 16) / 16**15
+    """train / validation / test from the sha1 of `SPLIT_SALT` and `key`: stable, never random."""
+    position = int(hashlib.sha1(f"{SPLIT_SALT}|{key}".encode()).hexdigest()[:15], 16) / 16**15
     bound = 0.0
     for name, fraction in zip(SPLIT_NAMES, fractions):
         bound += fraction
@@ -98,9 +103,54 @@ def fact_splits(facts_per_item: Sequence[set[Pair]], fractions: Sequence[float] 
     return [split_of("|".join(component), fractions) for component in fact_components(facts_per_item)]
 
 
+def bound_answer_shares(drafts: Sequence[Draft], split_per_draft: Sequence[str], order: Sequence[int],
+                        max_share: float, max_share_per_relation: float) -> list[int]:
+    """The drafts kept (indices, in `order`) so that in each (dataset, split) of n questions no answer concept
+    answers more than `max_share` x n, nor more than `max_share_per_relation` x m of the m that ask by one relation
+    chain; a concept that answers at most `max_share` of all the dataset's drafts (or one draft) may answer one
+    question of a split whatever its size. Yes/no questions are bounded elsewhere (half yes, half no).
+
+    A hub that answers most questions makes "always say the hub" a shortcut that beats chance (the majority rule
+    of `medgraph.kg.shortcuts`); the generator drops the excess rather than leave the blocking check to fire. A
+    split too small to hold a hub at its share (a dense graph's test split: its facts join one large component,
+    which lands in train) gets none of the hub's questions. Drafts are taken in `order` (the split files' draw
+    order), in passes until none more fits: a bound only grows with the kept questions, so what held when a
+    question was taken holds at the end."""
+    bounded = [i for i in order if drafts[i].question_type != "yesno"]
+    pooled = Counter(DATASET_OF_TYPE[drafts[i].question_type] for i in bounded)
+    answered = Counter((DATASET_OF_TYPE[drafts[i].question_type], c) for i in bounded for c in drafts[i].answer_cuis)
+    frequent = {key for key, count in answered.items() if count > max(1.0, max_share * pooled[key[0]])}
+    kept = [i for i in order if drafts[i].question_type == "yesno"]
+    per_answer: Counter[tuple] = Counter()
+    per_group: Counter[tuple] = Counter()
+    waiting = bounded
+    while True:
+        still_waiting = []
+        for index in waiting:
+            draft = drafts[index]
+            dataset = DATASET_OF_TYPE[draft.question_type]
+            group = (dataset, split_per_draft[index])
+            bounds = ((group, max_share), ((*group, draft.relations), max_share_per_relation))
+            # Every correct concept counts: a short answer's majority rule is right wherever it is among them.
+            if any(per_answer[(*key, answer)] + 1
+                   > max(0.0 if (dataset, answer) in frequent else 1.0, share * (per_group[key] + 1))
+                   for key, share in bounds for answer in draft.answer_cuis):
+                still_waiting.append(index)
+                continue
+            kept.append(index)
+            for key, _ in bounds:
+                per_group[key] += 1
+                per_answer.update((*key, answer) for answer in draft.answer_cuis)
+        if len(still_waiting) == len(waiting):
+            return kept
+        waiting = still_waiting
+
+
 def balance_answer_positions(drafts: Sequence[Draft], split_per_draft: Sequence[str]) -> list[Draft]:
     """Multiple choice: the correct option's letter rotates A, B, C, D over each (question type, split) in
-    qid order, so every letter is right in a quarter of each split (to within one item).
+    qid order, so every letter is right in a quarter of each split (to within one item); the rotation goes on
+    from one type to the next of the same dataset, so the dataset's split is balanced as well (a small test
+    split of one 1-hop and one 2-hop question gets two letters, not "A" twice).
 
     A per-item shuffle is fair only in expectation: with seed 0 on the demo KG, D was right for 38 of 100
     validation and 31 of 72 test 2-hop items (train: 203 of 800), so a reader that leans to D looked like it
@@ -111,9 +161,12 @@ def balance_answer_positions(drafts: Sequence[Draft], split_per_draft: Sequence[
         if len(draft.options) == len(OPTION_LETTERS) and draft.answer in OPTION_LETTERS:
             rank.setdefault((draft.question_type, split), []).append(index)
     balanced = list(drafts)
-    for indices in rank.values():
+    turn: Counter[tuple[str, str]] = Counter()  # (dataset, split) -> questions rotated so far
+    for (question_type, split), indices in sorted(rank.items()):
         indices.sort(key=lambda i: question_id(drafts[i].question_type, drafts[i].fact))
-        for position, index in enumerate(indices):
+        start = turn[(DATASET_OF_TYPE[question_type], split)]
+        turn[(DATASET_OF_TYPE[question_type], split)] += len(indices)
+        for position, index in enumerate(indices, start=start):
             draft = drafts[index]
             option_cuis = list(draft.option_cuis)
             names = [draft.options[letter] for letter in OPTION_LETTERS]
