@@ -7,12 +7,14 @@ from the MLflow registry by alias (HIIM projector and Graph-R1 policy
 metrics go to MLflow and to the asset's metadata.
 """
 
+import json
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import dagster as dg
 import mlflow
 
-from medgraph.eval.evaluate import markdown_table, summarize, write_run
+from medgraph.eval.evaluate import MethodSummary, markdown_table, summarize, write_run
 from medgraph.eval.families import (
     FAMILIES,
     EvalFamily,
@@ -33,6 +35,7 @@ from medgraph.eval.monitoring import (
 )
 from medgraph.methods.tools import KnowledgeTools
 from medgraph.qa.benchmarks import load_benchmark
+from medgraph.qa.item import QaItem
 from medgraph.qa.mirage import load_mirage, write_mirage
 from medgraph.retrieval import Retriever
 from medgraph.settings import redact_uri
@@ -90,6 +93,17 @@ class EvalConfig(dg.Config):
     readers: list[str] = ["base"]
     """Who answers each method's answering call: base (the LLM) and/or adapted (the `medgraph-reader-adapter`
     champion; results labelled `<method>@adapted`). Graph-R1 and A2RAG's HIIM row keep the base reader."""
+    adapted_probe_items: int = 12
+    """Validation questions of the dataset each `@adapted` row answers first: the row runs on the benchmark only
+    where at most 0.10 of them were asked again (`medgraph.eval.families.MAX_ADAPTED_ASKED_AGAIN`). 0: no probe."""
+
+
+def validation_items(split_file: Path, dataset: str, limit: int) -> list[QaItem]:
+    """The first `limit` validation questions of `dataset` as the evaluation would draw them (none when the
+    dataset has no validation split here: MIRAGE and PubMedQA come as test sets)."""
+    if limit <= 0 or not split_file.exists() or dataset not in json.loads(split_file.read_text()):
+        return []
+    return load_mirage(split_file, [dataset])[:limit]
 
 
 def _eval_asset(family: EvalFamily):
@@ -126,16 +140,13 @@ def _eval_asset(family: EvalFamily):
         with Retriever(store, encoder.load()) as retriever, \
                 mlflow_tracking.start_asset_run(context, inputs, run_name=f"{family.name}-{dataset}") as run:
             mlflow.set_tags({"dataset": dataset, **{f"lineage/{k}": v for k, v in plan.lineage.items()}})
+            probe_items = (validation_items(warehouse.layout.qa_split("validation"), dataset,
+                                            config.adapted_probe_items) if "adapted" in config.readers else [])
             results = run_family(plan, items, KnowledgeTools.with_home_cache(retriever, warehouse.home),
                                  batch_size=config.batch_size, log=context.log.info, warn=context.log.warning,
-                                 dataset=dataset)
+                                 dataset=dataset, probe_items=probe_items)
             summaries = summarize(results)
-            for s in summaries:
-                mlflow.log_metrics({metric_name(f"{s.method}/{k}"): v for k, v in s.as_row().items()
-                                    if isinstance(v, float | int) and not isinstance(v, bool)})
-                mlflow.log_metrics({metric_name(f"{s.method}/{k}"): v for k, v in s.extra.items()})
-            mlflow.log_dict({"summaries": [s.as_row() for s in summaries], "lineage": plan.lineage},
-                            f"summary_{dataset}.json")
+            _log_run(summaries, plan.lineage, dataset)
             run_id = run.info.run_id
         paths = write_run(store, family.name, dataset, results, summaries)
         metadata: dict[str, object] = {
@@ -151,6 +162,18 @@ def _eval_asset(family: EvalFamily):
         return dg.MaterializeResult(metadata=metadata)
 
     return _evaluate
+
+
+def _log_run(summaries: Sequence[MethodSummary], lineage: Mapping[str, object], dataset: str) -> None:
+    """Each row's metrics, the summaries and the lineage into the active MLflow run (the validation probe's
+    outcome too: it is known only after the rows ran)."""
+    if "adapted_probe" in lineage:
+        mlflow.set_tag("lineage/adapted_probe", lineage["adapted_probe"])
+    for s in summaries:
+        mlflow.log_metrics({metric_name(f"{s.method}/{k}"): v for k, v in s.as_row().items()
+                            if isinstance(v, float | int) and not isinstance(v, bool)})
+        mlflow.log_metrics({metric_name(f"{s.method}/{k}"): v for k, v in s.extra.items()})
+    mlflow.log_dict({"summaries": [s.as_row() for s in summaries], "lineage": dict(lineage)}, f"summary_{dataset}.json")
 
 
 eval_assets = [_eval_asset(family) for family in FAMILIES]
@@ -278,6 +301,10 @@ def evaluation_report(context: dg.AssetExecutionContext, config: ReportConfig, w
         value = _latest_metadata(context.instance, dg.AssetKey(["eval", asset]), field)
         if value is not None:
             lineage[key] = value
+    for asset in ("eval_baselines", "eval_a2rag"):  # which @adapted rows ran, from their validation probe
+        value = _latest_metadata(context.instance, dg.AssetKey(["eval", asset]), "adapted_probe")
+        if value is not None:
+            lineage[f"adapted rows ({asset.removeprefix('eval_')})"] = value
     data = assemble(store, lineage, _reward_curves(tracking, GRAPH_R1_POLICY_MODEL.name), config.reference,
                     read_gsrm_params(Path(warehouse.home)))
     if not data.summaries:

@@ -207,7 +207,7 @@ def test_the_reader_adapter_is_trained_gated_and_answers_the_adapted_rows(eval_h
                                 "eval__qa_benchmark": {"config": {"limit": 3}},
                                 "eval__eval_baselines": {"config": {
                                     "methods": ["rag-kg", "oracle-evidence"], "readers": ["base", "adapted"],
-                                    "batch_size": 3}}}))
+                                    "batch_size": 3, "adapted_probe_items": 0}}}))
     (evaluated,) = result.asset_materializations_for_node("eval__eval_baselines")
     assert f"models:/{READER_ADAPTER_MODEL.name}/{metadata['model_version']}" in evaluated.metadata["readers"].value
     store = WarehouseResource(home=str(eval_home)).get_warehouse()
@@ -220,3 +220,15 @@ def test_the_reader_adapter_is_trained_gated_and_answers_the_adapted_rows(eval_h
     markdown = (eval_home / "reports" / "report.md").read_text(encoding="utf-8")
     assert "## Adapted reader vs base reader" in markdown
     assert "| rag-kg | kgqa_mc | 3 |" in markdown.split("## Adapted reader vs base reader")[1]
+
+    # With the validation probe (as `make reproduce` runs): the random reader leaves no readable answer, so its
+    # rows are not run, and the metadata says so with the rate.
+    result = dg.materialize([baselines], resources=resources, partition_key="kgqa_mc", run_config=dg.RunConfig(
+        ops={"eval__eval_baselines": {"config": {"methods": ["oracle-evidence"], "readers": ["base", "adapted"],
+                                                 "batch_size": 3, "adapted_probe_items": 3}}}))
+    (evaluated,) = result.asset_materializations_for_node("eval__eval_baselines")
+    assert evaluated.metadata["adapted_probe"].value == ("oracle-evidence@adapted not run: asked again 1.00 of 3 "
+                                                         "validation questions")
+    with store.connect(read_only=True) as con:
+        assert con.execute("SELECT DISTINCT method FROM eval.eval_baselines_results").fetchall() == [
+            ("oracle-evidence",)]

@@ -175,13 +175,21 @@ def plan_family(family: EvalFamily, llm: ChatModel, store: Warehouse, tracking: 
                       graph_tokenizer)
 
 
+# An `@adapted` row is a comparison only where the adapter answers the method's call in form: above this share of
+# validation questions asked again (no readable answer), the row would measure the forced retry, not the reader.
+MAX_ADAPTED_ASKED_AGAIN = 0.10
+
+
 def run_family(plan: FamilyPlan, items: Sequence[QaItem], tools: KnowledgeTools, *, batch_size: int,
                log: Callable[[str], None] = print, warn: Callable[[str], None] = print,
-               dataset: str = "") -> list[MethodResult]:
+               dataset: str = "", probe_items: Sequence[QaItem] = ()) -> list[MethodResult]:
     """Every (reader, method) row of the plan on `items`, labelled `<method>` or `<method>@adapted`; a row that
     cannot run (an SFT-only ablation without an SFT champion, an adapted row without an adapter or for a method
-    that keeps the base reader) is skipped with a warning that says why."""
+    that keeps the base reader) is skipped with a warning that says why. With `probe_items` (validation
+    questions of the same dataset) each `@adapted` row answers them first and runs on `items` only if at most
+    `MAX_ADAPTED_ASKED_AGAIN` of them were asked again; each probe's outcome is in `plan.lineage["adapted_probe"]`."""
     results = []
+    probes: list[str] = []
     for reader_name in plan.readers:
         for method in plan.methods:
             choice, policy = plan.policies.get(method, (None, None))
@@ -195,13 +203,28 @@ def run_family(plan: FamilyPlan, items: Sequence[QaItem], tools: KnowledgeTools,
                 warn(f"{label} on {dataset}: not run: {why_not or plan.adapted_source}")
                 continue
             model = policy if policy is not None else plan.llm
+            config = make_config(method, plan.overrides.get(method))
+            if reader is not None and probe_items:
+                probe = run_method(method, probe_items, tools, model, config, batch_size=batch_size,
+                                   graph_tokenizer=plan.graph_tokenizer, reader=reader)
+                asked_again = sum(r.extra_answer_call for r in probe) / len(probe)
+                runs = asked_again <= MAX_ADAPTED_ASKED_AGAIN
+                probes.append(f"{label} {'runs' if runs else 'not run'}: asked again {asked_again:.2f} of "
+                              f"{len(probe)} validation questions")
+                if not runs:
+                    warn(f"{label} on {dataset}: not run: asked again in {asked_again:.2f} of {len(probe)} "
+                         f"validation questions (at most {MAX_ADAPTED_ASKED_AGAIN:.2f}): the adapter does not answer "
+                         f"{method}'s call in form")
+                    continue
             log(f"{label} on {dataset}: {len(items)} questions with {model.name}"
                 + (f", answered by {reader.name}" if reader is not None else ""))
-            answered = run_method(method, items, tools, model, make_config(method, plan.overrides.get(method)),
+            answered = run_method(method, items, tools, model, config,
                                   batch_size=batch_size, graph_tokenizer=plan.graph_tokenizer, reader=reader)
             for result in answered:
                 result.method = label
                 if choice is not None:
                     result.stats.update(graph_r1_policy=choice.description, graph_r1_policy_source=choice.source)
             results += answered
+    if probes:
+        plan.lineage["adapted_probe"] = "; ".join(probes)
     return results
