@@ -136,6 +136,22 @@ def test_choices_constrain_the_reply_to_one_of_them(smollm2: TransformersChatMod
     assert [c.text for c in served] == [c.text for c in constrained]
 
 
+def test_a_pattern_constrains_the_reply_to_a_match(smollm2: TransformersChatModel) -> None:
+    # Greedy SmolLM2 answers "Hello there, ..." and prose: decoded to the pattern, every reply is a whole match
+    # that ends there (its end-of-turn token chosen once nothing may follow), and the model still picks the words.
+    import regex
+
+    pattern = r'\{"city": "[A-Za-z ]{1,20}", "country": "[A-Za-z ]{1,20}"\}'
+    rows = [[user("Say hello.")], [user("What is the capital of France? Reply in JSON with its city and country.")]]
+    constrained = smollm2.generate(rows, GREEDY.but(pattern=pattern, max_new_tokens=40))
+    for completion in constrained:
+        assert regex.fullmatch(pattern, completion.text) and completion.finish_reason == "stop", completion
+    assert constrained[1].text.lower() == '{"city": "paris", "country": "france"}'
+    with serve(smollm2, port=0) as server:  # the same reply through vLLM's `guided_regex` over HTTP
+        served = OpenAIChatModel(SMOLLM2, server.url).generate(rows, GREEDY.but(pattern=pattern, max_new_tokens=40))
+    assert [c.text for c in served] == [c.text for c in constrained]
+
+
 def test_finished_rows_leave_the_decode_batch(smollm2: TransformersChatModel) -> None:
     # Prompts are prefilled without padding (the two copies of one prompt compute it once, as a shared start, then
     # their last token together), then decoded as one batch that shrinks as rows end: the stopped row costs no
@@ -397,6 +413,8 @@ def test_server_rejects_a_bad_request_with_its_reason(scripted_server) -> None:
     client = OpenAIChatModel("scripted", scripted_server.url, max_retries=0)
     with pytest.raises(LlmRequestError, match=r"HTTP 400 \(model 'scripted'\): each message needs a role"):
         client._post({"model": "scripted", "messages": [{"role": "tool", "content": "x"}]})
+    with pytest.raises(LlmRequestError, match=r"'guided_regex' is not a regular expression"):
+        client._post({"model": "scripted", "messages": [{"role": "user", "content": "x"}], "guided_regex": "(a"})
 
 
 def test_smollm2_served_over_http_matches_in_process(smollm2: TransformersChatModel, batched: list) -> None:

@@ -416,6 +416,31 @@ def test_sema_rag_stops_at_round_one_when_the_evidence_is_sufficient(tools: Know
     assert result.stats["cited_sources"] == [1, 2] and result.prediction == "A"
 
 
+def test_sema_rag_agents_decode_to_their_formats_and_the_scripted_replies_match_them(tools: KnowledgeTools):
+    """Each agent's call carries its reply format (the schema's and judgment's JSON, the report's line per option,
+    then one option tag); unconstrained, none does. The formats accept what a capable model writes."""
+    import regex
+
+    from medgraph.methods.agent import answer_choices
+    from medgraph.methods.sema_rag import JUDGMENT_PATTERN, SCHEMA_PATTERN, report_pattern
+
+    report = "A: [11] amlodipine may treat it\nB: no source\nC: no source\nD: no source\nAgree: [1], [11]\nConflict: none"
+    llm = ScriptedChatModel(lambda c: report if "evidence report" in c[-1].content
+                            else sema_reply(['{"sufficient": true, "gap": "none", "queries": []}'])(c))
+    (result,) = run_method("sema-rag", [TREAT], tools, llm)
+    schema, judgment, report_config, pick = llm.configs
+    assert (schema.pattern, judgment.pattern, report_config.pattern) == (SCHEMA_PATTERN, JUDGMENT_PATTERN,
+                                                                         report_pattern(TREAT))
+    assert pick.choices == answer_choices(TREAT) and result.prediction == "A" and not result.stats["report_cut"]
+    assert regex.fullmatch(SCHEMA_PATTERN, '{"intent": "treatment", "entities": ["Hypertension"], '
+                                           '"constraints": ["adults"], "query": "drugs that treat hypertension"}')
+    assert regex.fullmatch(JUDGMENT_PATTERN, '{"sufficient": false, "gap": "dose", "queries": ["amlodipine dose"]}')
+    assert regex.fullmatch(report_pattern(TREAT), report)
+    free = ScriptedChatModel(sema_reply(['{"sufficient": true}']))
+    run_method("sema-rag", [TREAT], tools, free, make_config("sema-rag", {"constrained": False}))
+    assert all(c.pattern is None and not c.choices for c in free.configs)
+
+
 def test_sema_rag_that_is_never_satisfied_stops_at_max_rounds(tools: KnowledgeTools):
     judgments = [json.dumps({"sufficient": False, "gap": f"gap {i}", "queries": [f"amlodipine question {i}"]})
                  for i in range(5)]
@@ -439,7 +464,7 @@ def test_sema_rag_agents_share_one_growing_context_so_each_call_continues_the_la
 
     def context(conversation):  # the user message without the agent's task
         return conversation[1].content.rsplit("\n\nYou are ", 1)[0].split("\n\nSchema: ")[0]
-    question = i_call[1].content.split("\n\nYou are ")[0]
+    question = i_call[-1].content.split("\n\nYou are ")[0]  # after the I-Agent's worked example
     assert context(e1).startswith(question + "\n\nEvidence:\n[1] ")
     assert context(e2).startswith(context(e1)) and len(context(e2)) > len(context(e1))  # round 2 appended
     assert context(report).startswith(context(e2)) and len(context(report)) > len(context(e2))  # round 3: A only
@@ -544,13 +569,17 @@ def test_sema_rag_ablations_drop_their_agent(tools: KnowledgeTools):
 
 
 def test_schema_and_judgment_are_read_from_json_or_key_value_lines():
-    lines = parse_schema("Intent: treatment\nEntities: hypertension, amlodipine\nQuery: first-line drugs", TREAT)
+    lines = parse_schema("Intent: treatment\nEntities: hypertension, amlodipine\nQuery: drugs for hypertension", TREAT)
     assert (lines.intent, lines.entities, lines.query) == ("treatment", ("hypertension", "amlodipine"),
-                                                           "first-line drugs")
-    fenced = parse_schema('```json\n{"intent": "dx", "entities": [{"name": "seizure"}], "query": "q"}\n```', TREAT)
-    assert fenced.entities == ("seizure",) and fenced.parsed
-    cut_off = parse_schema('{"intent": "treatment", "entities": ["hypertension", "amlodipine"], "query": "dru', TREAT)
-    assert cut_off.entities == ("hypertension", "amlodipine") and cut_off.query == "dru"
+                                                           "drugs for hypertension")
+    fenced = parse_schema('```json\n{"intent": "dx", "entities": [{"name": "insulin"}], "query": "insulin"}\n```', TREAT)
+    assert fenced.entities == ("insulin",) and fenced.parsed and fenced.grounded
+    cut_off = parse_schema('{"intent": "treatment", "entities": ["hypertension", "amlodipine"], "query": "amlo', TREAT)
+    assert cut_off.entities == ("hypertension", "amlodipine") and cut_off.query == TREAT.question
+    # The instruction's placeholders copied out (SmolLM2 decoded to the JSON): read, but about nothing asked.
+    copied = parse_schema('{"intent": "what is asked", "entities": ["medical concepts in the question", "gout"], '
+                          '"constraints": [], "query": "a search query for the evidence needed"}', TREAT)
+    assert copied.parsed and not copied.grounded and copied.entities == () and copied.linearize() == TREAT.question
     unreadable = parse_schema("I cannot do that.", TREAT)
     assert not unreadable.parsed and unreadable.linearize() == TREAT.question
     judgment = parse_judgment("- **Sufficient**: No\n- Gap: dose\n- Follow-up queries: a b; c d")

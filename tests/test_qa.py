@@ -637,7 +637,7 @@ DENSE_RELATIONS = [("may_treat", "may_be_treated_by", "T121", "T047"),
 
 def dense_kg(home: Path, concepts: int = 130, edges_per_concept: int = 20, hub_share: float = 0.6) -> Warehouse:
     rng = random.Random(0)
-    syllables = "ka lo mi nu pe ra si to vu ze bo da fi gu he ja ko lu ma ne".split()
+    syllables = ("ka", "lo", "mi", "nu", "pe", "ra", "si", "to", "vu", "ze", "bo", "da", "fi", "gu", "he", "ja")
     names: set[str] = set()
     while len(names) < concepts:  # made-up one-word names: no word shared with a question's wording
         names.add("".join(rng.choice(syllables) for _ in range(3)).capitalize())

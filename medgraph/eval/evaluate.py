@@ -109,6 +109,14 @@ def _shares(values: Iterable[object], prefix: str) -> dict[str, float]:
     return {f"{prefix}{k}": c / total for k, c in sorted(counts.items())} if total else {}
 
 
+def _schema_outcome(stats: Mapping[str, object]) -> str:
+    """What SEMA-RAG's I-Agent schema became: read and about the question, read with a query about nothing the
+    question names (the question stands in), or unreadable."""
+    if not stats["schema_parsed"]:
+        return "question as query"
+    return "parsed" if stats.get("schema_grounded", True) else "parsed, query off the question"
+
+
 def method_statistics(results: Sequence[MethodResult]) -> dict[str, float]:
     """Method-specific statistics, from each result's `stats` (whatever the method records)."""
     stats: dict[str, float] = {}
@@ -124,8 +132,7 @@ def method_statistics(results: Sequence[MethodResult]) -> dict[str, float]:
         stats["early_stop_rate"] = float(np.mean(early))
     # The agents' decisions, as shares of questions (the report flags one taken for nearly every question).
     stats.update(_shares([r.stats["stop_reason"] for r in results if "stop_reason" in r.stats], "stop_share/"))
-    stats.update(_shares(["parsed" if r.stats["schema_parsed"] else "question as query" for r in results
-                          if "schema_parsed" in r.stats], "schema_share/"))
+    stats.update(_shares([_schema_outcome(r.stats) for r in results if "schema_parsed" in r.stats], "schema_share/"))
     stats.update(_shares([r.stats["actions"][0] for r in results if r.stats.get("actions")], "first_action_share/"))
     if results and results[0].method.startswith("graph-r1"):
         stats["steps_mean"] = float(np.mean([len(r.steps) for r in results]))

@@ -58,6 +58,11 @@ class GenerationConfig:
     # to produce exactly one of them, as vLLM's `guided_choice` does. Backends that cannot constrain
     # decoding (llama.cpp, Bedrock) generate freely and the caller parses what comes back.
     choices: tuple[str, ...] = ()
+    # A regular expression the whole reply must match (the `regex` module's syntax), as vLLM's `guided_regex`: the
+    # in-process backend decodes, at each step, the token the model ranks first among those that keep the reply a
+    # prefix of a match, and ends it once it matches and nothing may follow. A bounded pattern (repetitions with
+    # an upper count) bounds the reply. Backends that cannot constrain decoding generate freely.
+    pattern: str | None = None
 
     def but(self, **changes: object) -> GenerationConfig:
         return replace(self, **changes)

@@ -45,6 +45,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import regex
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 from transformers.cache_utils import DynamicLayer
@@ -371,6 +372,49 @@ class _Reuse:
     length: int = 0
 
 
+class _PatternConstraint:
+    """Greedy decoding of replies that match a regular expression (`GenerationConfig.pattern`, vLLM's
+    `guided_regex`): each step takes the token the model ranks first among those that keep the reply a prefix of
+    a match (the `regex` module's partial matching), and an end-of-turn token only once the reply matches."""
+
+    CANDIDATES = 64  # the model's best tokens tried first; the whole vocabulary only when none of them fits
+
+    def __init__(self, pattern: str, tokenizer, eos: set[int], vocabulary: list[str]):
+        self.compiled = regex.compile(pattern)
+        self.tokenizer, self.eos, self.vocabulary = tokenizer, eos, vocabulary
+        self.special = set(tokenizer.all_special_ids) - eos
+
+    def _fits(self, text: str, token: int, complete: bool) -> bool:
+        if token in self.eos:
+            return complete
+        if token in self.special:
+            return False
+        return self.compiled.fullmatch(text + self.vocabulary[token], partial=True) is not None
+
+    def next_token(self, scores: torch.Tensor, reply: list[int]) -> int:
+        """The allowed token `scores` rank first after `reply`."""
+        text = self.tokenizer.decode(reply, skip_special_tokens=True)
+        complete = self.compiled.fullmatch(text) is not None
+        best = scores.topk(min(self.CANDIDATES, scores.numel())).indices.tolist()
+        # A complete reply ends unless one of the model's best tokens extends the match; an incomplete one searches
+        # the whole vocabulary, best first, for a token that continues it.
+        for ranked in (best,) if complete else (best, scores.argsort(descending=True).tolist()):
+            for token in ranked:
+                # A token's text alone can differ from what it adds to a sequence (a character split over bytes):
+                # the sequence's own decoding has the last word.
+                if self._fits(text, token, complete) and (
+                        token in self.eos or self.compiled.fullmatch(
+                            self.tokenizer.decode([*reply, token], skip_special_tokens=True), partial=True)):
+                    return token
+        return min(self.eos)  # complete, or nothing continues a match: end the reply
+
+    def mask(self, logits: torch.Tensor, replies: list[list[int]]) -> torch.Tensor:
+        allowed = torch.full_like(logits, float("-inf"))
+        for slot, reply in enumerate(replies):
+            allowed[slot, self.next_token(logits[slot], reply)] = 0.0
+        return logits + allowed
+
+
 class TransformersChatModel(ChatModel):
     """A local Hugging Face causal LM (a checkpoint directory) with a chat template.
 
@@ -444,6 +488,12 @@ class TransformersChatModel(ChatModel):
     def _encode(self, text: str) -> list[int]:
         # The chat template already writes any BOS token: add no special tokens twice.
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def _vocabulary(self) -> list[str]:
+        """Each token's text alone (what a pattern-constrained step checks first), decoded once per model."""
+        if getattr(self, "_token_texts", None) is None:
+            self._token_texts = self.tokenizer.batch_decode([[token] for token in range(len(self.tokenizer))])
+        return self._token_texts
 
     def count_tokens(self, text: str) -> int:
         """How many tokens `text` takes in a reply (e.g. against a `max_new_tokens` budget)."""
@@ -636,12 +686,16 @@ class TransformersChatModel(ChatModel):
         window = max((len(s) for s in stop), default=0) + 4  # a stop string spans at most this many new tokens
         eos = set(self.eos_ids)
         choices = [self._encode(c) for c in config.choices]
+        pattern = (_PatternConstraint(config.pattern, self.tokenizer, eos, self._vocabulary())
+                   if config.pattern else None)
         tokens: list[list[int]] = [[] for _ in rows]
         active = list(range(len(rows)))  # the row each batch slot holds
         positions = torch.tensor([len(r) for r in rows], device=self.device)
         while True:
             if choices:
                 logits = self._only_choices(logits, [tokens[row] for row in active], choices)
+            if pattern is not None:
+                logits = pattern.mask(logits, [tokens[row] for row in active])
             chosen = self._next_tokens(logits, config)
             keep = []
             for slot, (row, token) in enumerate(zip(active, chosen.tolist(), strict=True)):

@@ -122,8 +122,9 @@ class OpenAIChatModel(ChatModel):
         # False: a request that fails for good becomes a Completion with finish_reason "error" (and the
         # message in extra["error"]) instead of failing the whole batch.
         self.raise_on_error = raise_on_error
-        # Send a closed set of replies (`GenerationConfig.choices`) as vLLM's `guided_choice`, which vLLM and
-        # `medgraph.llm.serve` honour; False for servers that reject unknown fields (then the reply is free text).
+        # Send a closed set of replies (`GenerationConfig.choices`) as vLLM's `guided_choice` and a reply pattern
+        # (`GenerationConfig.pattern`) as its `guided_regex`, which vLLM and `medgraph.llm.serve` honour; False for
+        # servers that reject unknown fields (then the reply is free text).
         self.guided_choice = guided_choice
         self._local = threading.local()  # one requests.Session per worker thread
         self._sessions: list[requests.Session] = []
@@ -177,6 +178,8 @@ class OpenAIChatModel(ChatModel):
             payload["seed"] = config.seed
         if config.choices and self.guided_choice:
             payload["guided_choice"] = list(config.choices)
+        if config.pattern and self.guided_choice:
+            payload["guided_regex"] = config.pattern
         return payload
 
     def _backoff(self, attempt: int, response: requests.Response | None) -> float:

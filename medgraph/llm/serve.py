@@ -20,6 +20,8 @@ from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Self
 
+import regex
+
 from medgraph.llm.base import ChatModel, Completion, GenerationConfig, Message
 from medgraph.settings import redact_uri
 
@@ -70,6 +72,14 @@ def parse_chat_request(body: dict[str, object]) -> tuple[list[Message], Generati
     choices = body.get("guided_choice") or ()  # vLLM's extension: the reply is one of these strings
     if not isinstance(choices, list | tuple) or not all(isinstance(c, str) and c for c in choices):
         raise BadRequest("'guided_choice' must be a list of non-empty strings")
+    pattern = body.get("guided_regex")  # vLLM's extension: the reply matches this regular expression
+    if pattern is not None:
+        if not isinstance(pattern, str) or not pattern:
+            raise BadRequest("'guided_regex' must be a non-empty string")
+        try:
+            regex.compile(pattern)
+        except regex.error as error:
+            raise BadRequest(f"'guided_regex' is not a regular expression: {error}") from error
     try:
         config = GenerationConfig(
             max_new_tokens=int(body.get("max_completion_tokens") or body.get("max_tokens") or 256),
@@ -78,6 +88,7 @@ def parse_chat_request(body: dict[str, object]) -> tuple[list[Message], Generati
             stop=stop,
             seed=int(body["seed"]) if body.get("seed") is not None else None,
             choices=tuple(choices),
+            pattern=pattern,
         )
     except (TypeError, ValueError) as error:
         raise BadRequest(f"bad decoding parameter: {error}") from error

@@ -18,7 +18,8 @@ Prompt layout: the agents are separate calls that see what the method says
 they see (the E-Agent the evidence and the schema, the A-Agent the evidence),
 but every call starts with the same short system prompt and the same context
 block (question, then the numbered evidence, which only ever grows at its
-end) and puts the agent's role and task last. So each call continues the keys/values
+end) and puts the agent's role and task last (the I-Agent's worked example
+sits between its system prompt and the question: its one call is the exception). So each call continues the keys/values
 of the previous one in the LLM's prefix cache and computes only what is new
 (the next round's sources, the agent's task), instead of re-reading the
 question and all evidence once per agent.
@@ -31,9 +32,12 @@ from collections.abc import Generator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import regex
+
 from medgraph.kg.graph import Triple
+from medgraph.kg.shortcuts import content_words
 from medgraph.llm.base import ChatModel, GenerationConfig, assistant, system, user
-from medgraph.methods.agent import Episode, Generate, Request, ToolCall, answer_call
+from medgraph.methods.agent import Episode, Generate, Request, ToolCall, answer_call, answer_choices
 from medgraph.methods.common import (
     EvidenceSeen,
     FinalReply,
@@ -71,9 +75,16 @@ class SemaRagConfig:
     # report runs longer than the other agents' JSON turns. Not raised by default: the small readers run into any
     # budget (SmolLM2-135M loops; Qwen2.5-0.5B copies the sources out: 5 of 6 validation reports cut at 400 tokens).
     report_max_new_tokens: int = 160
-    # One worked I-Agent exchange before the question: small models then write JSON, but may copy
-    # the example's content too, so it is off unless asked for.
-    demonstration: bool = False
+    # One worked I-Agent exchange before the question. Without it SmolLM2-135M, decoded to the schema's JSON, copies
+    # the instruction's placeholders into every schema ("a search query for the evidence needed", 12 of 12
+    # validation questions); with it the schema names the question's concepts, and a copied example concept
+    # ("gout") is dropped as not about the question (`parse_schema`).
+    demonstration: bool = True
+    # Each agent's reply is decoded to its format (`GenerationConfig.pattern`: the schema's and the judgment's JSON,
+    # the report's one line per option), with every field's length bounded so that a reply ends within its budget.
+    # SmolLM2-135M wrote a readable schema for 0 of 24 validation questions and cut all 24 reports at 160 tokens
+    # unconstrained. Backends that cannot constrain decoding (llama.cpp, Bedrock) generate freely.
+    constrained: bool = True
 
 
 # --------------------------------------------------------------------------- the schema (I-Agent)
@@ -86,6 +97,9 @@ class ClinicalSchema:
     constraints: tuple[str, ...]
     query: str
     parsed: bool = True  # False: the I-Agent's reply could not be read and the question stands in
+    # False: its query names nothing of the question or options (a small model copies the instruction's
+    # placeholders, "a search query for the evidence needed"), and the question stands in.
+    grounded: bool = True
 
     def linearize(self) -> str:
         """The retrieval query: the initial query, then the schema's entities and constraints."""
@@ -113,8 +127,15 @@ def _names(value: object) -> list[str]:
     return as_string_list(value)
 
 
+def asked_words(item: QaItem) -> set[str]:
+    """The content words of the question and its options: what a schema or a query must be about."""
+    return content_words(" ".join([item.question, *item.options.values()]))
+
+
 def parse_schema(text: str, item: QaItem) -> ClinicalSchema:
-    """The I-Agent's schema from JSON or `key: value` lines; the question itself when neither is there."""
+    """The I-Agent's schema from JSON or `key: value` lines; the question itself when neither is there. Entities
+    and a query that share no content word with the question or its options are dropped (the question stands in
+    for such a query)."""
     fields = parse_fields(text)
     query = _first(fields, "initial_query", "query", "search_query", "retrieval_query")
     intent = _first(fields, "intent", "clinical_intent")
@@ -122,11 +143,15 @@ def parse_schema(text: str, item: QaItem) -> ClinicalSchema:
     constraints = _first(fields, "constraints", "constraint", "conditions")
     if query is None and intent is None and entities is None:
         return ClinicalSchema("", (), (), item.question, parsed=False)
+    asked = asked_words(item)
+    query = str(query or "").strip()
+    grounded = bool(content_words(query) & asked)
     return ClinicalSchema(
         intent=str(intent or "").strip(),
-        entities=tuple(_names(entities)),
-        constraints=tuple(as_string_list(constraints)),
-        query=str(query).strip() if query else item.question,
+        entities=tuple(e for e in _names(entities) if content_words(e) & asked),
+        constraints=tuple(as_string_list(constraints)),  # conditions on the answer need not repeat the question
+        query=query if grounded else item.question,
+        grounded=grounded,
     )
 
 
@@ -241,9 +266,38 @@ E_INSTRUCTION = ('You are an evidence reviewer. Decide whether the evidence abov
                  'is it sufficient? Reply with JSON only:\n'
                  '{"sufficient": true or false, "gap": "what is missing", '
                  '"queries": ["follow-up search queries for the gap"]}')
-A_REPORT = ("You are a careful clinician. You weigh evidence before you answer. Write a short evidence report: which "
-            "sources agree, which conflict, and what they say about each option. Cite sources by their numbers, "
-            "like [1], [3].")
+A_REPORT = ("You are a careful clinician. You weigh evidence before you answer. Write a short evidence report: one "
+            "line per option with what the sources say about it, citing them by their numbers like [1], [3]; then a "
+            "line 'Agree:' naming the sources that agree and a line 'Conflict:' naming those that conflict.")
+
+
+def _text(most: int) -> str:
+    """A JSON string of 1 to `most` characters, none a quote, backslash or line break."""
+    return rf'"[^"\\\n]{{1,{most}}}"'
+
+
+def _texts(most: int, count: int) -> str:
+    """A JSON list of at most `count` such strings."""
+    return rf"\[(?:{_text(most)}(?:, ?{_text(most)}){{0,{count - 1}}})?\]"
+
+
+_SPACE = r"[ \n]{0,4}"  # between JSON fields, as a model lays them out
+# The I-Agent's schema and the E-Agent's judgment, bounded to end within `max_new_tokens` (160) at ~3 characters
+# a token: the longest schema is ~400 characters, the longest judgment ~420.
+SCHEMA_PATTERN = (rf'\{{{_SPACE}"intent": ?{_text(30)},{_SPACE}"entities": ?{_texts(30, 4)},{_SPACE}'
+                  rf'"constraints": ?{_texts(30, 2)},{_SPACE}"query": ?{_text(100)}{_SPACE}\}}')
+JUDGMENT_PATTERN = (rf'\{{{_SPACE}"sufficient": ?(?:true|false),{_SPACE}"gap": ?{_text(80)},{_SPACE}'
+                    rf'"queries": ?{_texts(80, 3)}{_SPACE}\}}')
+
+
+ANSWER_TAG_PATTERN = r"<answer>[^<\n]{1,80}</answer>"  # a short answer's pick after the report
+
+
+def report_pattern(item: QaItem) -> str:
+    """The A-Agent's report: a line per option (`A: ...`; one `Findings:` line for a short answer), then `Agree:`
+    and `Conflict:` lines, each bounded (the longest report for four options is ~410 characters)."""
+    lines = [rf"{regex.escape(letter)}: [^\n]{{1,70}}" for letter in item.options] or [r"Findings: [^\n]{1,200}"]
+    return r"\n".join([*lines, r"Agree: [^\n]{1,50}", r"Conflict: [^\n]{1,50}"])
 
 
 _STATES_ANSWER = re.compile(r"<\s*answer\s*>|\banswer\s*(?:is|:)", re.IGNORECASE)
@@ -263,6 +317,10 @@ class SemaRag:
     def __init__(self, tools: KnowledgeTools, llm: ChatModel, config: SemaRagConfig = SemaRagConfig()):
         self.tools, self.llm, self.config = tools, llm, config
         self.generation = GenerationConfig(max_new_tokens=config.max_new_tokens)
+
+    def _formatted(self, pattern: str) -> GenerationConfig:
+        """An agent's decoding: constrained to its reply format unless the config says otherwise."""
+        return self.generation.but(pattern=pattern) if self.config.constrained else self.generation
 
     def retrieve(self, requests: list[_Retrieval]) -> list[tuple[list[Passage], list[Triple]]]:
         """One round for a batch: passages for every query, and the KG triples of each question's
@@ -286,7 +344,7 @@ class SemaRag:
         if config.use_i_agent:
             demonstration = list(I_DEMONSTRATION) if config.demonstration else []
             conversation = [system(SYSTEM), *demonstration, user(f"{_context(item)}\n\n{I_INSTRUCTION}")]
-            completion = yield Generate(conversation, self.generation)
+            completion = yield Generate(conversation, self._formatted(SCHEMA_PATTERN))
             schema = parse_schema(completion.text, item)
             steps.append(step_from_completion(len(steps), "i_agent", completion, {"schema": schema.describe()},
                                      "" if schema.parsed else "schema not readable: the question is the query"))
@@ -308,7 +366,7 @@ class SemaRag:
                 stop = "max_rounds"
                 break
             prompt = f"{_context(item, evidence)}\n\nSchema: {schema.describe()}\n\n{E_INSTRUCTION}"
-            completion = yield Generate([system(SYSTEM), user(prompt)], self.generation)
+            completion = yield Generate([system(SYSTEM), user(prompt)], self._formatted(JUDGMENT_PATTERN))
             judgment = parse_judgment(completion.text)
             sufficiency.append(judgment.sufficient)
             steps.append(step_from_completion(len(steps), "e_agent", completion,
@@ -318,7 +376,9 @@ class SemaRag:
             if judgment.sufficient and config.early_stop:
                 stop = "sufficient"
                 break
-            fresh = [q for q in dict.fromkeys(judgment.queries) if _query_key(q) and _query_key(q) not in asked]
+            # A follow-up query about nothing the question asks is the instruction's placeholder copied out.
+            fresh = [q for q in dict.fromkeys(judgment.queries) if _query_key(q) and _query_key(q) not in asked
+                     and content_words(q) & asked_words(item)]
             if not fresh:
                 stop = "no_new_query"
                 break
@@ -327,7 +387,8 @@ class SemaRag:
         stats: dict[str, object] = {
             "rounds": sum(1 for s in steps if s.action == "retrieve"), "stop_reason": stop,
             "early_stop": stop in ("sufficient", "no_new_query"), "sufficiency": sufficiency,
-            "schema": schema.describe(), "schema_parsed": schema.parsed, "sources": len(evidence.ids),
+            "schema": schema.describe(), "schema_parsed": schema.parsed, "schema_grounded": schema.grounded,
+            "sources": len(evidence.ids),
         }
         reply = yield from self._answer(item, evidence, steps, stats)
         return finish_result(self.name, item, reply, steps, stats, evidence.seen)
@@ -346,7 +407,8 @@ class SemaRag:
         if not self.config.use_a_agent:
             return (yield from answer_call(item, direct, self.generation, steps))
         conversation = [system(SYSTEM), user(f"{context}\n\n{A_REPORT}")]
-        report = yield Generate(conversation, self.generation.but(max_new_tokens=self.config.report_max_new_tokens))
+        report = yield Generate(conversation, self._formatted(report_pattern(item)).but(
+            max_new_tokens=self.config.report_max_new_tokens))
         cited = sorted({int(n) for n in re.findall(r"\[(\d+)\]", report.text) if 0 < int(n) <= len(evidence.ids)})
         stats["cited_sources"] = cited
         steps.append(step_from_completion(len(steps), "a_agent_report", report, {"cited": cited}))
@@ -359,6 +421,10 @@ class SemaRag:
             if stated is not None and parse_answer(stated, item) is not None:
                 return FinalReply(stated)
             return (yield from answer_call(item, direct, self.generation, steps, arguments={"report": "cut, dropped"}))
+        # The A-Agent picks one option after its report: decoded to an answer tag where the agents are constrained
+        # (a report's per-option lines, repeated as the answer, read as the first option's letter).
+        pick = (self.generation.but(choices=answer_choices(item)) if self.config.constrained and item.options
+                else self._formatted(ANSWER_TAG_PATTERN))
         return (yield from answer_call(item, conversation + [assistant(report.text), user(answer_instruction(item))],
-                                       self.generation, steps))
+                                       pick, steps))
 
