@@ -660,12 +660,12 @@ def dense_kg(home: Path, concepts: int = 130, edges_per_concept: int = 20, hub_s
 def test_on_a_dense_graph_with_hubs_the_answer_share_bound_keeps_the_majority_rule_at_chance(tmp_path):
     warehouse = dense_kg(tmp_path / "home")
     unbounded = QaLimits(max_answer_share=1.0, max_answer_share_per_relation=1.0)
-    stats = generate_qa_items(warehouse, tmp_path / "home" / "qa", per_type=1000, limits=unbounded)
+    stats = generate_qa_items(warehouse, tmp_path / "home" / "qa", per_type=300, limits=unbounded)
     fired = check_shortcuts(measure_shortcuts(warehouse))
     assert stats.dropped_for_answer_share == 0
     assert any(f.startswith("kgqa_short test: majority") for f in fired), fired
 
-    stats = generate_qa_items(warehouse, tmp_path / "home" / "qa", per_type=1000)
+    stats = generate_qa_items(warehouse, tmp_path / "home" / "qa", per_type=300)
     assert check_shortcuts(measure_shortcuts(warehouse)) == []
     assert stats.dropped_for_answer_share > 0 and stats.per_type["short_1hop"] > 0
     for dataset in ("kgqa_mc", "kgqa_short"):  # no concept answers more than its share of a split
